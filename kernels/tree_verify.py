@@ -1,0 +1,39 @@
+"""Greedy tree verification: the target's argmax after every node, and the longest root-to-node path whose
+tokens all equal the target's own choice. This module is the pure-torch reference; a dispatcher in
+``mtpflow.kernels`` may route to a Triton kernel with the same contract."""
+from __future__ import annotations
+
+import torch
+
+
+def children_lists(parents: list[int]) -> tuple[list[int], list[list[int]]]:
+    """(children of the root, children of each node) from a parent list (-1 = root), in node order."""
+    root: list[int] = []
+    kids: list[list[int]] = [[] for _ in parents]
+    for i, p in enumerate(parents):
+        (root if p < 0 else kids[p]).append(i)
+    return root, kids
+
+
+def greedy_tree_verify_reference(
+    target_argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor
+) -> tuple[torch.Tensor, int, bool]:
+    """Longest accepted path under greedy exact match.
+
+    target_argmax: [1 + num_nodes] the target's choice after the root (row 0) and after each node (row i+1).
+    tokens, parents: [num_nodes] the draft tree (parents -1 for children of the root, topological order).
+    Returns (accepted node indices [n_accepted] in depth order, the next token, whether the path ended on a
+    leaf, i.e. the next token is a bonus rather than a recovery).
+    """
+    want = target_argmax.tolist()
+    toks = tokens.tolist()
+    root, kids = children_lists(parents.tolist())
+    path: list[int] = []
+    row, options = 0, root
+    while options:
+        match = next((c for c in options if toks[c] == want[row]), None)
+        if match is None:
+            return torch.tensor(path, dtype=torch.long), want[row], False
+        path.append(match)
+        row, options = match + 1, kids[match]
+    return torch.tensor(path, dtype=torch.long), want[row], bool(path)

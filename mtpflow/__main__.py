@@ -1,0 +1,5 @@
+import sys
+
+from mtpflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,83 @@
+"""``python -m mtpflow [hydra overrides]``: decode one prompt, streaming accepted tokens to the terminal,
+then print a stats table (or one JSON document with ``output=json``). User mistakes exit 2 with one line."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+USAGE = """usage: python -m mtpflow [key=value ...]
+
+  strategy=NAME        decoding strategy (python -m mtpflow --strategies lists them)
+  prompt="..."         the request (or prompt_file=PATH); chat=false skips the chat template
+  max_new_tokens=N     temperature=T top_k=N top_p=P seed=N k=K stop=["..."]
+  model.name=ID|PATH   any HF causal LM or .gguf (default: embedded SmolLM2-135M-Instruct)
+  output=json          one JSON document (text, token_ids, stats) instead of streaming
+"""
+
+
+def format_stats(stats: dict) -> str:
+    rows = [
+        ("tokens", stats.get("new_tokens")),
+        ("forward passes", stats.get("forward_passes")),
+        ("MAL (tokens / verify forward)", stats.get("mal")),
+        ("tokens/s", stats.get("tokens_per_second")),
+        ("acceptance rate", stats.get("acceptance_rate")),
+        ("time to first token (s)", stats.get("time_to_first_token")),
+        ("hit rate", stats.get("mtp_hit_rate")),
+        ("avg K", stats.get("mtp_avg_k_used")),
+        ("error propagation rate", stats.get("mtp_error_propagation_rate")),
+        ("stop reason", stats.get("stop_reason")),
+    ]
+    known = {"new_tokens", "forward_passes", "mal", "tokens_per_second", "acceptance_rate", "time_to_first_token",
+             "mtp_hit_rate", "mtp_avg_k_used", "mtp_error_propagation_rate", "stop_reason", "verify_forwards",
+             "prefill_seconds", "total_seconds", "draft_tokens", "proposed_tokens", "accepted_tokens",
+             "forward_passes_per_token"}
+    rows += [(k, v) for k, v in stats.items() if k not in known and not isinstance(v, (dict, list))]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    from mtpflow.errors import UserError
+
+    try:
+        from mtpflow.config import available_strategies, compose, read_prompt, validate
+
+        if "--strategies" in argv:
+            print("\n".join(available_strategies()))
+            return 0
+        cfg = compose(argv)
+        validate(cfg)
+        prompt = read_prompt(cfg)  # fail on an empty or unreadable prompt before the model loads
+        from mtpflow.api import Pipeline
+        from mtpflow.runplugins import default_run_plugins
+
+        pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
+        if cfg.output == "json":
+            result = pipe(prompt)
+            doc = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats,
+                   "strategy": pipe.strategy_name, "model": pipe.loaded.model_id}
+            print(json.dumps(doc, ensure_ascii=False))
+            return 0
+        for piece in pipe.stream(prompt):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        result = pipe.last_result
+        sys.stdout.write("\n\n")
+        print(f"[{pipe.strategy_name} on {pipe.loaded.model_id}]")
+        print(format_stats(result.stats))
+        return 0
+    except UserError as exc:
+        print(f"mtpflow: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nmtpflow: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1

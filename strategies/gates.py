@@ -1,0 +1,110 @@
+"""Acceptance gates: greedy exact match (lossless), speculative sampling (lossless in distribution, Leviathan
+et al. 2023, with recursive rejection over tree siblings) and typical acceptance (lossy, Medusa style)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtpflow.errors import check_range
+from mtpflow.hookspecs import hookimpl
+from mtpflow.kernels import children_lists, greedy_tree_verify
+from mtpflow.sampling import sample, target_probs
+from mtpflow.types import BONUS, RECOVERED, Decision, DecodeState, Draft, Verification
+
+
+class GreedyGate:
+    """Accept while the draft token equals the target's argmax; lossless for greedy decoding."""
+
+    @hookimpl
+    def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
+        argmax = verification.target_argmax()
+        if not state.sampling.greedy:
+            return SpeculativeSamplingGate().gate(state, draft, verification)
+        path, next_token, leaf = greedy_tree_verify(argmax, draft.tokens, draft.parents)
+        return Decision(accepted=path, next_token=next_token, next_kind=BONUS if leaf else RECOVERED)
+
+
+class SpeculativeSamplingGate:
+    """Speculative sampling: the emitted tokens follow exactly the target distribution.
+
+    A chain node drawn from a stochastic proposer (``draft.dists`` set) is accepted with min(1, p/q) and a
+    rejection samples the residual max(0, p - q). Deterministic drafts and tree siblings use the
+    without-replacement rule: accept token x with probability p(x), else zero p(x), renormalise and try the
+    next sibling; after the last sibling sample from what is left. Both keep the output distribution p.
+    """
+
+    @hookimpl
+    def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
+        rng = state.extras.get("rng")
+        probs = target_probs(verification.logits, state.sampling)  # [1 + num_nodes, vocab]
+        toks = draft.tokens.tolist()
+        root, kids = children_lists(draft.parents.tolist())
+        path: list[int] = []
+        row, options = 0, root
+        while options:
+            p = probs[row].clone()
+            chosen = None
+            for c in options:
+                x = toks[c]
+                u = float(torch.rand((), generator=rng))
+                if draft.dists is not None and len(options) == 1:
+                    q = draft.dists[c].float()
+                    if u < min(1.0, float(p[x]) / max(float(q[x]), 1e-20)):
+                        chosen = c
+                        break
+                    residual = (p - q).clamp(min=0)
+                    p = residual / residual.sum() if float(residual.sum()) > 0 else p
+                else:
+                    if u < float(p[x]):
+                        chosen = c
+                        break
+                    p[x] = 0.0
+                    total = float(p.sum())
+                    if total <= 0:
+                        break
+                    p = p / total
+            if chosen is None:
+                return Decision(torch.tensor(path, dtype=torch.long), sample(p, rng), RECOVERED,
+                                gate_scores=probs[0].new_tensor([]))
+            path.append(chosen)
+            row, options = chosen + 1, kids[chosen]
+        return Decision(torch.tensor(path, dtype=torch.long), sample(probs[row], rng), BONUS if path else RECOVERED)
+
+
+class TypicalGate:
+    """Typical acceptance (Medusa): accept draft token x if p(x) > min(epsilon, delta * exp(-H(p))).
+
+    Lossy: it may accept tokens the target would not have chosen; the run records the error propagation rate.
+    """
+
+    def __init__(self, epsilon: float = 0.09, delta: float = 0.3, temperature: float = 1.0):
+        self.epsilon = check_range("gate.epsilon", epsilon, 0, 1)
+        self.delta = check_range("gate.delta", delta, 0, None)
+        self.temperature = check_range("gate.temperature", temperature, 0, None, low_inclusive=False)
+
+    @hookimpl
+    def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
+        temperature = state.sampling.temperature or self.temperature
+        probs = (verification.logits.float() / temperature).softmax(-1)
+        entropy = -(probs * probs.clamp(min=1e-20).log()).sum(-1)  # [1 + num_nodes]
+        threshold = torch.clamp(self.delta * torch.exp(-entropy), max=self.epsilon)
+        toks = draft.tokens.tolist()
+        root, kids = children_lists(draft.parents.tolist())
+        scores = torch.zeros(draft.num_nodes)
+        path: list[int] = []
+        row, options = 0, root
+        while options:
+            best = None
+            for c in options:
+                scores[c] = probs[row, toks[c]]
+                if scores[c] > threshold[row] and (best is None or scores[c] > scores[best]):
+                    best = c
+            if best is None:
+                break
+            path.append(best)
+            row, options = best + 1, kids[best]
+        leaf = bool(path) and not kids[path[-1]]
+        return Decision(torch.tensor(path, dtype=torch.long), None, BONUS if leaf else RECOVERED,
+                        gate_scores=scores, info={"threshold_root": float(threshold[0]), "epsilon": self.epsilon,
+                                                  "lossy": True, "entropy_root": float(entropy[0]) if math.isfinite(float(entropy[0])) else 0.0})

@@ -1,0 +1,51 @@
+"""Every lossless strategy emits exactly HF greedy generate's token ids on tiny random models."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
+
+LOSSLESS = ["baseline", "pld", "jacobi", "adaptive"]
+
+
+def prompts(vocab: int, n: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(3, 40, (1,), generator=g))
+        base = torch.randint(1, vocab, (length,), generator=g)
+        if i % 2:  # repetitive prompts give prompt lookup something to match
+            base = base[: max(3, length // 3)].repeat(3)
+        out.append(base.tolist())
+    return out
+
+
+@pytest.mark.parametrize("strategy", LOSSLESS)
+def test_matches_hf_greedy(tiny, strategy):
+    for i, ids in enumerate(prompts(len(tiny.tokenizer), 8)):
+        pipe = make_pipeline(tiny, strategy, "max_new_tokens=40")
+        got = pipe(prompt_ids=ids).token_ids
+        assert got == hf_greedy(tiny.model, ids, 40), f"prompt {i}"
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8, 16])
+def test_pld_any_k(tiny, k):
+    for ids in prompts(len(tiny.tokenizer), 4, seed=k):
+        pipe = make_pipeline(tiny, "pld", "max_new_tokens=32", f"k={k}",
+                             "strategy.propose.min_ngram=1")
+        assert pipe(prompt_ids=ids).token_ids == hf_greedy(tiny.model, ids, 32)
+
+
+def test_draft_model_tiny(tiny):
+    pipe = make_pipeline(tiny, "draft_model", "max_new_tokens=32", "strategy.propose.layers=1")
+    for ids in prompts(len(tiny.tokenizer), 4):
+        assert pipe(prompt_ids=ids).token_ids == hf_greedy(tiny.model, ids, 32)
+
+
+def test_other_seeds_and_depths():
+    for seed in (3, 4):
+        loaded = tiny_loaded(seed=seed, layers=3)
+        for ids in prompts(len(loaded.tokenizer), 3, seed=seed):
+            pipe = make_pipeline(loaded, "pld", "max_new_tokens=48", "strategy.propose.min_ngram=1")
+            assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 48)
