@@ -146,7 +146,7 @@ class DecodeLoop:
         state = DecodeState(
             tokens=tokens, prompt_len=int(prompt.numel()), step=0, next_position=int(prompt.numel()),
             sampling=context.sampling, max_new_tokens=context.max_new_tokens,
-            hidden=None if hidden is None else hidden[-1:], context_window=self.context_window, extras=extras,
+            hidden=hidden, context_window=self.context_window, extras=extras,
         )
         if on_step:
             on_step(None, [first])

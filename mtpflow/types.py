@@ -50,8 +50,10 @@ class DecodeState:
     last_k: int = 0  # K chosen in the previous step
     last_accepted: int = 0  # draft tokens accepted in the previous step
     last_proposed: int = 0  # draft tokens proposed in the previous step
-    # [n, hidden] target hidden states (last layer) of the tokens committed in the previous step, whose last
-    # row produced the root token; None unless the strategy asks for hidden states.
+    # [n, hidden] target last-layer hidden states at the inputs of the previous forward that were kept: after
+    # the prefill every prompt token; after a step the old root plus the accepted nodes. Row i predicted the
+    # token after input i, so the last row produced the root. None unless the strategy sets
+    # ``needs_hidden_states: true``.
     hidden: torch.Tensor | None = None
     context_window: int | None = None  # proposers should look at only the last N tokens, if set
     extras: dict[str, Any] = field(default_factory=dict)  # run-level facts (e.g. domain), read-only for stages
@@ -220,6 +222,8 @@ class RunStats:
             "mal": round((self.new_tokens - 1) / steps, 4) if self.steps else 0.0,
             "tokens_per_second": round(self.new_tokens / self.total_seconds, 3) if self.total_seconds else 0.0,
             "acceptance_rate": round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else 0.0,
+            # draft nodes kept by the pruners / nodes proposed (1.0 when nothing is pruned)
+            "compression_rate": round(self.draft_tokens / self.proposed_tokens, 4) if self.proposed_tokens else 1.0,
             "time_to_first_token": round(self.time_to_first_token, 4),
             "prefill_seconds": round(self.prefill_seconds, 4),
             "total_seconds": round(self.total_seconds, 4),
