@@ -129,6 +129,7 @@ class TraceRecorder:
         path = decision.accepted.tolist()
         n_emit = len(r.emitted)
         bonus = BONUS in r.emitted_kinds
+        greedy = r.state.sampling.greedy
         self._steps.append(dict(
             run_id=run_id, step=step, k=r.k, num_proposed=r.num_proposed, num_kept=n_kept,
             accepted_length=len(path), num_emitted=n_emit, bonus=bonus, forward_seconds=r.forward_seconds,
@@ -164,7 +165,8 @@ class TraceRecorder:
             on_path = set(path)
             path_rank = {node: j for j, node in enumerate(path)}
             for i in range(n_kept):
-                matches = tokens[i] == argmax[parents[i] + 1]  # row 0 is the root, row p + 1 is node p
+                # the target's greedy choice only defines "matches" when decoding is greedy
+                matches = tokens[i] == argmax[parents[i] + 1] if greedy else None  # row p + 1 is node p
                 s = status[i]
                 if s == REJECTED and matches and (parents[i] < 0 or parents[i] in on_path):
                     s = GATED
@@ -183,7 +185,7 @@ class TraceRecorder:
                 status=r.emitted_kinds[j], emitted=True, decided_by=decision.decided_by,
                 draft_prob=None, target_prob=r.target_probs[j] if j < len(r.target_probs) else None, pfs=None,
                 gate_score=None,
-                matches_target=token == r.target_tokens[j] if j < len(r.target_tokens) else None))
+                matches_target=token == r.target_tokens[j] if greedy and j < len(r.target_tokens) else None))
 
     # ----- writing -----------------------------------------------------------------------------------------
     def _fill_texts(self, events: list[dict]) -> None:
