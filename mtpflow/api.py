@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import compose, effective_temperature, read_prompt, to_container, validate
 from mtpflow.errors import UserError
+from mtpflow.kernels.dispatch import use_backend
 from mtpflow.loop import DecodeLoop, RunContext
 from mtpflow.model import encode_prompt, load_model
 from mtpflow.plugins import build_stages, make_plugin_manager
@@ -80,7 +81,8 @@ class Pipeline:
             device=str(self.loaded.device), max_new_tokens=int(cfg.max_new_tokens), sampling=self.sampling(),
             seed=int(cfg.seed), config=to_container(cfg), tokenizer=self.loaded.tokenizer, model=self.loaded.model,
         )
-        result = loop.run(context, stop=tuple(cfg.stop or ()), on_step=on_step)
+        with use_backend(cfg.get("kernels") or "auto"):  # scoped to this run's thread
+            result = loop.run(context, stop=tuple(cfg.stop or ()), on_step=on_step)
         result.stats.setdefault("strategy", self.strategy_name)
         return result
 
@@ -90,8 +92,11 @@ class Pipeline:
         tokenizer = self.loaded.tokenizer
         emitted: list[int] = []
         printed = [0]
+        cancelled = threading.Event()
 
         def on_step(record, tokens):
+            if cancelled.is_set():  # the consumer stopped (Ctrl-C, closed generator): end the run as interrupted
+                raise KeyboardInterrupt
             emitted.extend(tokens)
             text = tokenizer.decode(emitted, skip_special_tokens=True)
             if not text.endswith("\ufffd"):  # wait for a complete UTF-8 character
@@ -109,10 +114,17 @@ class Pipeline:
             finally:
                 pieces.put(done)
 
-        threading.Thread(target=work, daemon=True).start()
-        while (item := pieces.get()) is not done:
-            if item:
-                yield item
+        worker = threading.Thread(target=work, daemon=True)
+        worker.start()
+        try:
+            while (item := pieces.get()) is not done:
+                if item:
+                    yield item
+        except BaseException:
+            # Let the worker end its run at the next step so on_run_end records it as interrupted.
+            cancelled.set()
+            worker.join()
+            raise
         if "error" in box:
             raise box["error"]
         self.last_result = box["result"]

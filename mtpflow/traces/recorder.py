@@ -99,11 +99,12 @@ class TraceRecorder:
 
     @hookimpl
     def on_run_end(self, result: DecodeResult, status: str) -> None:
+        if self.run_id is not None:
+            result.run_id = self.run_id  # also when recording stopped: the run row exists
         if self.disabled or self.run_id is None:
             return
         if not self._first_token_recorded and result.token_ids:
             self._first_token(int(result.token_ids[0]))
-        result.run_id = self.run_id
         try:
             self._fill_texts(self._events)
             self.store.finish_run(self.run_id, status, output_text=result.text, stats=dict(result.stats),
