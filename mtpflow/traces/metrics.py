@@ -174,9 +174,12 @@ class TraceCollector(Collector):
         differ = CounterMetricFamily(f"{PREFIX}_num_error_tokens",
                                      "Emitted tokens of greedy runs that differ from the target's own choice.",
                                      labels=["strategy"])
-        for strategy, n, bad in errors:
+        # every strategy gets both series (0 when nothing was judged), so the alert's ratio always exists
+        by_strategy = {row[0]: (0, 0) for row in steps}
+        by_strategy.update({strategy: (n, bad or 0) for strategy, n, bad in errors})
+        for strategy, (n, bad) in sorted(by_strategy.items()):
             judged.add_metric([strategy], float(n))
-            differ.add_metric([strategy], float(bad or 0))
+            differ.add_metric([strategy], float(bad))
         yield judged
         yield differ
 

@@ -82,5 +82,5 @@ def interrupt_and_check(db: Path, mode: str) -> None:
 
 def test_sigint_while_streaming_marks_the_run_interrupted(tmp_path):
     # the CLI's path (decoding in a worker thread); a KeyboardInterrupt in the decoding thread itself is
-    # covered in-process by test_recorder.py
+    # covered in-process by test_trace_recorder.py
     interrupt_and_check(tmp_path / "t.db", "stream")
