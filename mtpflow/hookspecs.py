@@ -78,5 +78,11 @@ def on_step_end(record: StepRecord) -> None:
 
 
 @hookspec
+def run_stats() -> dict[str, Any] | None:
+    """Extra run-level numbers a stage kept (e.g. the re-scorer's recovered tokens), merged into the run's
+    stats each time the loop builds a result."""
+
+
+@hookspec
 def on_run_end(result: DecodeResult, status: str) -> None:
     """Called once when the run ends; status is complete, failed or interrupted."""

@@ -157,7 +157,7 @@ class DecodeLoop:
             t_step = time.perf_counter()
             self.timer.seconds.clear()
             remaining = context.max_new_tokens - state.num_generated
-            room = max_context - state.next_position - 1
+            room = max_context - (state.next_position - target.position_shift) - 1  # shift: see Target.keep
             if room < 0:
                 stop_reason = "context_full"
                 break
@@ -265,6 +265,8 @@ class DecodeLoop:
     def _result(self, state, stats, records, t_start, tokenizer, stop) -> DecodeResult:
         stats.total_seconds = time.perf_counter() - t_start
         stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
+        for extra in self.hook.run_stats():
+            stats.extras.update(extra or {})
         ids = state.generated.tolist()
         text = tokenizer.decode(ids, skip_special_tokens=True)
         for s in stop:

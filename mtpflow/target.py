@@ -45,12 +45,15 @@ class Target:
         self.need_hidden = need_hidden
         self.cache = DynamicCache(config=model.config)
         self.cache_len = 0  # entries in the cache
+        # absolute position - position_shift = position the model sees; grows when ``keep`` evicts entries,
+        # so cache entry i always sits at model position i and generation can run past the model's context
+        self.position_shift = 0
         self.forwards = 0
 
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
         out = self.model(
             input_ids=input_ids.to(self.device)[None],
-            position_ids=position_ids.to(self.device)[None],
+            position_ids=(position_ids - self.position_shift).to(self.device)[None],
             attention_mask=None if mask is None else mask.to(self.device, self.model.dtype),
             cache=self.cache,
             use_cache=True,
@@ -101,9 +104,38 @@ class Target:
 
     @torch.inference_mode()
     def keep(self, index: torch.Tensor) -> None:
-        """Keep only the cache entries at ``index`` (sliding window eviction)."""
+        """Keep only the cache entries at ``index`` (ascending; sliding window eviction).
+
+        The kept entries are moved to contiguous positions 0..n-1 (StreamingLLM assigns positions within the
+        cache): RoPE keys are rotated by (new - old position), and later inputs are shifted by the number
+        of evicted entries. Models without a rotary embedding keep their keys as they are.
+        """
         idx = index.to(self.device)
+        delta = torch.arange(idx.numel(), device=self.device) - idx  # [n_keep] new - old position, <= 0
+        rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(2, idx)
+            keys = layer.keys.index_select(2, idx)
+            if rotary is not None and bool((delta != 0).any()):
+                keys = rotate_keys(keys, delta, rotary)
+            layer.keys = keys
             layer.values = layer.values.index_select(2, idx)
+        self.position_shift += self.cache_len - int(index.numel())
         self.cache_len = int(index.numel())
+
+
+def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary) -> torch.Tensor:
+    """Apply a RoPE rotation by ``delta`` positions ([seq]) to cached keys [batch, heads, seq, head_dim].
+
+    Rotations compose (R(a) R(b) = R(a + b)), so a key cached at position p becomes the key at p + delta.
+    The rotary module's attention scaling is divided out: only the rotation is wanted.
+    """
+    cos, sin = rotary(keys.float(), position_ids=delta[None])  # [1, seq, rot_dim]
+    scale = float(getattr(rotary, "attention_scaling", 1.0) or 1.0)
+    cos, sin = (cos.float() / scale)[:, None], (sin.float() / scale)[:, None]
+    rot_dim = cos.shape[-1]
+    k = keys[..., :rot_dim].float()
+    half = rot_dim // 2
+    rotated_half = torch.cat([-k[..., half:], k[..., :half]], dim=-1)
+    out = keys.clone()
+    out[..., :rot_dim] = (k * cos + rotated_half * sin).to(keys.dtype)
+    return out
