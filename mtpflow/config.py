@@ -49,8 +49,10 @@ def available_strategies() -> list[str]:
 def _search_path_override() -> list[str]:
     extra = []
     for d in strategy_dirs()[1:]:
-        # a plugin folder holds strategy/*.yaml under a conf root: add that root
-        extra.append(f"file://{Path(d).parent}")
+        # a plugin folder is named strategy/ (checked when the plugin loads): add its parent as a conf root,
+        # quoted so paths with spaces or commas survive Hydra's override grammar
+        root = str(Path(d).parent).replace("\\", "\\\\").replace("'", "\\'")
+        extra.append(f"'file://{root}'")
     return [f"hydra.searchpath=[{','.join(extra)}]"] if extra else []
 
 
@@ -67,7 +69,10 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         if o.startswith("strategy=") and "/" not in o:
             name = o.split("=", 1)[1]
             if name not in available_strategies():
-                raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}")
+                from mtpflow.thirdparty import trouble_note
+
+                raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}"
+                                f"{trouble_note()}")
     with _compose_lock:
         GlobalHydra.instance().clear()
         try:

@@ -22,3 +22,8 @@ def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_
         hi = "" if high is None else f"{high}" + ("]" if high_inclusive else ")")
         raise ConfigError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}")
     return value
+
+
+class PluginError(UserError):
+    """A third-party plugin is broken: it cannot be imported, registers a hook that does not exist, or one of
+    its hooks raised. The message names the plugin."""

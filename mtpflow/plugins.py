@@ -2,26 +2,29 @@
 strategy's stage objects (built from their ``_target_``) and any run-level plugins (traces, metrics), so
 two strategies can run side by side in one process.
 
-Third-party packages declare an entry point in group ``mtpflow``; see ``plugin_strategy_dirs``.
+Third-party packages declare an entry point in group ``mtpflow`` (``mtpflow.thirdparty``); their stage
+classes join a run through ``_target_`` or ``strategy.plugins: [<entry point name>]``, never on their own.
+``python -m mtpflow.plugins`` lists built-in and third-party plugins (``mtpflow.plugin_listing``).
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import pluggy
 from omegaconf import DictConfig, OmegaConf
 
-from mtpflow import hookspecs
+from mtpflow import hookspecs, plugin_hookspecs, thirdparty
 from mtpflow.defaults import CoreDefaults
-from mtpflow.errors import UserError
+from mtpflow.errors import PluginError, UserError
 
 STAGES = ("select_k", "propose", "prune", "gate", "dedup", "rescore", "window")
 FILTER_STAGES = ("prune", "dedup")  # these take a list of implementations
 
 
 def plugin_strategy_dirs() -> list[Path]:
-    """Strategy folders contributed by installed third-party plugins (none yet)."""
-    return []
+    """Strategy folders (each named ``strategy``) contributed by the loaded third-party plugins."""
+    return thirdparty.strategy_dirs()
 
 
 def build_stage(node, where: str):
@@ -38,11 +41,19 @@ def build_stage(node, where: str):
         if isinstance(cause, UserError):
             raise cause from None
         first = str(exc).strip().splitlines()[0]
-        raise UserError(f"cannot build {where}: {first}") from None
+        raise UserError(f"cannot build {where}: {_owner_prefix(node)}{first}") from None
     except UserError:
         raise
     except Exception as exc:  # a broken stage class: name it
-        raise UserError(f"cannot build {where} ({node.get('_target_')}): {type(exc).__name__}: {exc}") from None
+        raise UserError(f"cannot build {where} ({node.get('_target_')}): {_owner_prefix(node)}"
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _owner_prefix(node) -> str:
+    """'plugin NAME (dist): ' when the stage class comes from a third-party plugin (and a hint if it is broken)."""
+    target = str(node.get("_target_", "")) if hasattr(node, "get") else ""
+    label = thirdparty.owner_label(target) if target else None
+    return f"{label}: " if label else ""
 
 
 def build_stages(strategy: DictConfig) -> list[tuple[str, object]]:
@@ -57,13 +68,17 @@ def build_stages(strategy: DictConfig) -> list[tuple[str, object]]:
             raise UserError(f"strategy.{stage} takes one implementation, got {len(nodes)}")
         for i, item in enumerate(nodes):
             name = f"strategy.{stage}" + (f"[{i}]" if len(nodes) > 1 or OmegaConf.is_list(node) else "")
-            stages.append((name, build_stage(item, name)))
+            if stage == "plugins" and isinstance(item, str):  # an entry point name: the plugin's own hooks
+                stages.append((f"{name}:{item}", thirdparty.plugin_object(item)))
+            else:
+                stages.append((name, build_stage(item, name)))
     return stages
 
 
 def make_plugin_manager(strategy: DictConfig, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
+    pm.add_hookspecs(plugin_hookspecs)  # known (never called per run), so an entry point module can register
     pm.register(CoreDefaults(), name="mtpflow.core")
     for name, obj in build_stages(strategy):
         _register(pm, obj, name)
@@ -77,7 +92,28 @@ def make_plugin_manager(strategy: DictConfig, extra_plugins: tuple[object, ...] 
 
 
 def _register(pm: pluggy.PluginManager, obj: object, name: str) -> None:
+    module = getattr(obj, "__name__", None) if inspect.ismodule(obj) else type(obj).__module__
+    label = thirdparty.owner_label(module or "")
+    where = f"{label}, {name}" if label else name
+    if misspelled := thirdparty.unknown_hooks(obj):  # pluggy would only say "unknown hook" without a hint
+        raise PluginError(f"{where} ({_qualname(obj)}) implements unknown hook {', '.join(misspelled)}")
     try:
         pm.register(obj, name=name)
     except pluggy.PluginValidationError as exc:
-        raise UserError(f"plugin {name} ({type(obj).__name__}): {exc}") from None
+        raise UserError(f"plugin {where} ({type(obj).__name__}): {exc}") from None
+    if label:  # a third-party hook that raises becomes one line naming its plugin
+        thirdparty.guard_hooks(pm, obj, f"{label}, {_qualname(obj)}")
+
+
+def _qualname(obj: object) -> str:
+    if inspect.ismodule(obj):
+        return obj.__name__
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+if __name__ == "__main__":  # python -m mtpflow.plugins: list built-in and third-party plugins
+    import sys
+
+    from mtpflow.plugin_listing import main
+
+    sys.exit(main())
