@@ -1,9 +1,11 @@
 """Greedy tree verification: the target's argmax after every node, and the longest root-to-node path whose
-tokens all equal the target's own choice. This module is the pure-torch reference; a dispatcher in
-``mtpflow.kernels`` may route to a Triton kernel with the same contract."""
+tokens all equal the target's own choice. The pure-torch reference sits beside the dispatchers that route to
+the Triton kernels in ``tree_verify_triton`` (same contract, exact same outputs)."""
 from __future__ import annotations
 
 import torch
+
+from mtpflow.kernels.dispatch import resolve_backend
 
 
 def children_lists(parents: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -37,3 +39,30 @@ def greedy_tree_verify_reference(
         path.append(match)
         row, options = match + 1, kids[match]
     return torch.tensor(path, dtype=torch.long), want[row], bool(path)
+
+
+def _unpack(buffer: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
+    values = buffer.tolist()  # the one host read of the step
+    length, next_token, leaf = values[:3]
+    return torch.tensor(values[3 : 3 + length], dtype=torch.long), int(next_token), bool(leaf)
+
+
+def greedy_tree_verify(target_argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                       backend: str | None = None) -> tuple[torch.Tensor, int, bool]:
+    """Dispatcher for ``greedy_tree_verify_reference`` (same arguments and result)."""
+    if resolve_backend(backend, target_argmax.device) == "torch":
+        return greedy_tree_verify_reference(target_argmax, tokens, parents)
+    from mtpflow.kernels.tree_verify_triton import tree_path
+
+    return _unpack(tree_path(target_argmax, tokens, parents))
+
+
+def greedy_tree_verify_logits(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
+                              backend: str | None = None) -> tuple[torch.Tensor, int, bool]:
+    """Like ``greedy_tree_verify`` from the target logits [1 + num_nodes, vocab]: the argmax per row runs in
+    the same device pass, so only the final small buffer crosses to the host."""
+    if resolve_backend(backend, logits.device) == "torch":
+        return greedy_tree_verify_reference(logits.argmax(dim=-1), tokens, parents)
+    from mtpflow.kernels.tree_verify_triton import row_argmax, tree_path
+
+    return _unpack(tree_path(row_argmax(logits), tokens, parents))

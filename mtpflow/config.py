@@ -129,6 +129,9 @@ def validate(cfg: DictConfig) -> None:
         from mtpflow.strategies.k_selectors import check_k
 
         check_k("k", cfg.k)
+    from mtpflow.kernels.dispatch import check_backend_usable
+
+    check_backend_usable(cfg.get("kernels") or "auto")
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

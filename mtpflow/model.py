@@ -64,11 +64,12 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def resolve_attention(attn: str, device: torch.device) -> str:
-    """flash_attention_2 on CUDA when the flash-attn package is installed, SDPA otherwise."""
+    """On CUDA with the flash-attn package: ``mtpflow`` (flash-attn for prefill and chains, the tree attention
+    kernel for tree masks, which HF's flash_attention_2 cannot apply); SDPA otherwise."""
     if attn not in (None, "", "auto"):
         return attn
     if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
+        return "mtpflow"
     return "sdpa"
 
 
@@ -143,6 +144,10 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
     torch_dtype = resolve_dtype(dtype, dev)
     source, model_id = resolve_source(name, gguf_file)
     attn = resolve_attention(attn_implementation, dev)
+    if attn == "mtpflow":  # our attention function must be registered before the model is built
+        from mtpflow.kernels.hf_attention import register
+
+        register()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype, attn_implementation=attn)

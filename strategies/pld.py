@@ -6,23 +6,16 @@ import torch
 
 from mtpflow.errors import ConfigError
 from mtpflow.hookspecs import hookimpl
+from mtpflow.kernels import ngram_continuation
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft
 
 
 def find_ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
     """[<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram
-    (n from max_ngram down to min_ngram); empty when nothing matches."""
-    length = int(context.numel())
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        pattern = context[-n:]
-        windows = context[:-1].unfold(0, n, 1)  # [length - n, n]; excludes the suffix itself
-        hits = (windows == pattern).all(dim=1).nonzero().flatten()
-        for start in reversed(hits.tolist()):  # most recent first; skip matches with nothing after them
-            follow = context[start + n : start + n + k]
-            if follow.numel():
-                return follow
-    return context.new_zeros(0)
+    (n from max_ngram down to min_ngram); empty when nothing matches. Runs the ``mtpflow.kernels`` n-gram
+    match (Triton kernel or torch reference, per the ``kernels`` setting)."""
+    return ngram_continuation(context, min_ngram, max_ngram, k)
 
 
 class PromptLookupProposer:

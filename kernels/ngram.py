@@ -1,0 +1,68 @@
+"""N-gram match over the token history for prompt lookup: the tokens that followed the latest earlier
+occurrence of the longest matching suffix n-gram. The torch reference computes, for every end position, how
+many tokens before it equal the context's suffix (capped at ``max_ngram``), then takes the longest match and
+its latest end; the Triton kernel does the same per block of end positions with one atomic max."""
+from __future__ import annotations
+
+import torch
+
+from mtpflow.kernels.dispatch import resolve_backend
+
+
+def ngram_continuation_loop(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
+    """The original loop over n (kept as the specification the vectorised reference is tested against)."""
+    length = int(context.numel())
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = context[-n:]
+        windows = context[:-1].unfold(0, n, 1)  # [length - n, n]; excludes the suffix itself
+        hits = (windows == pattern).all(dim=1).nonzero().flatten()
+        for start in reversed(hits.tolist()):  # most recent first
+            follow = context[start + n : start + n + k]
+            if follow.numel():
+                return follow
+    return context.new_zeros(0)
+
+
+def best_match_key(context: torch.Tensor, max_ngram: int) -> int:
+    """max over end positions e < length - 1 of min(match length, max_ngram) * length + e, or -1.
+
+    The match length at e counts i = 0, 1, ... while context[e - i] == context[length - 1 - i]; the key orders
+    by length first and by recency second.
+    """
+    length = int(context.numel())
+    if length < 2 or max_ngram < 1:
+        return -1
+    ends = torch.arange(length - 1, device=context.device)
+    still = torch.ones(length - 1, dtype=torch.bool, device=context.device)
+    match_len = torch.zeros(length - 1, dtype=torch.long, device=context.device)
+    for i in range(min(max_ngram, length - 1)):
+        pos = ends - i
+        hit = context[pos.clamp(min=0)] == context[length - 1 - i]
+        still = still & (pos >= 0) & hit
+        match_len += still.long()
+    keys = torch.where(match_len > 0, match_len * length + ends, -1)
+    return int(keys.max())
+
+
+def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
+    """[<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram
+    (n from max_ngram down to min_ngram); empty when nothing matches."""
+    return _follow(context, best_match_key(context, max_ngram), min_ngram, k)
+
+
+def _follow(context: torch.Tensor, key: int, min_ngram: int, k: int) -> torch.Tensor:
+    length = int(context.numel())
+    if key < 0 or key // length < min_ngram or k <= 0:
+        return context.new_zeros(0)
+    end = key % length
+    return context[end + 1 : end + 1 + k]
+
+
+def ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int,
+                       backend: str | None = None) -> torch.Tensor:
+    """Dispatcher: same result as ``ngram_continuation_reference``."""
+    if resolve_backend(backend, context.device) == "torch":
+        return ngram_continuation_reference(context, min_ngram, max_ngram, k)
+    from mtpflow.kernels.ngram_triton import best_match_key_triton
+
+    return _follow(context, best_match_key_triton(context, max_ngram), min_ngram, k)

@@ -1,0 +1,91 @@
+"""Backend selection (auto / torch / triton, scoped per run and per thread, validated in the config) and the
+decode loop producing identical tokens whichever backend runs the gate and prompt-lookup kernels."""
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from mtpflow.errors import ConfigError, UserError
+from mtpflow.hookspecs import hookimpl
+from mtpflow.kernels import requested_backend, resolve_backend, set_default_backend, use_backend
+from mtpflow.strategies.pld import find_ngram_continuation
+from mtpflow.types import Draft
+
+
+def test_auto_uses_the_reference_for_cpu_tensors():
+    assert resolve_backend("auto", "cpu") == "torch"
+    assert resolve_backend("torch", "cpu") == "torch"
+    assert resolve_backend("triton", "cpu") == "triton"  # the interpreter is on in this folder
+    with pytest.raises(ConfigError):
+        resolve_backend("cuda-please", "cpu")
+
+
+def test_scoped_backend_is_per_thread_and_restored():
+    seen = {}
+    with use_backend("triton"):
+        assert requested_backend() == "triton"
+        worker = threading.Thread(target=lambda: seen.setdefault("other", requested_backend()))
+        worker.start()
+        worker.join()
+        with use_backend("torch"):
+            assert requested_backend() == "torch"
+        assert requested_backend() == "triton"
+    assert seen["other"] == "auto" and requested_backend() == "auto"
+
+
+def test_default_setter_validates():
+    with pytest.raises(ConfigError):
+        set_default_backend("fast")
+    set_default_backend("torch")
+    try:
+        assert requested_backend() == "torch"
+    finally:
+        set_default_backend("auto")
+
+
+def test_config_key_is_validated(tiny):
+    from conftest import make_pipeline
+
+    with pytest.raises(UserError, match="kernels must be one of"):
+        make_pipeline(tiny, "pld", "kernels=fast")
+
+
+class PromptLookupTree:
+    """A tree around prompt lookup: the n-gram continuation as one branch plus random siblings and dead ends,
+    so the gate's tree path and the n-gram kernel both run every step."""
+
+    def __init__(self, vocab: int, seed: int):
+        self.vocab, self.rng = vocab, random.Random(seed)
+
+    @hookimpl
+    def propose(self, state, k):
+        chain = find_ngram_continuation(state.tokens, 1, 3, k).tolist() or [self.rng.randrange(1, self.vocab)]
+        tokens, parents, parent = [], [], -1
+        for tok in chain:
+            for _ in range(self.rng.randrange(0, 3)):
+                tokens.append(self.rng.randrange(1, self.vocab))
+                parents.append(parent)
+            tokens.append(tok)
+            parents.append(parent)
+            parent = len(tokens) - 1
+        return Draft(torch.tensor(tokens), torch.tensor(parents), source="lookup_tree")
+
+
+def test_decode_tokens_identical_with_either_backend(tiny):
+    from conftest import hf_greedy, make_pipeline
+
+    vocab = len(tiny.tokenizer)
+    ids = [5, 9, 12, 40, 5, 9, 12, 7, 5, 9]
+    reference = hf_greedy(tiny.model, ids, 14)
+    outputs = {}
+    for backend in ("torch", "triton"):
+        pld = make_pipeline(tiny, "pld", "max_new_tokens=14", f"kernels={backend}")(prompt_ids=ids)
+        tree = make_pipeline(tiny, "baseline", "max_new_tokens=14", "k=4", f"kernels={backend}")(
+            prompt_ids=ids, extra_plugins=(PromptLookupTree(vocab, seed=1),))
+        assert any(not r.draft.is_chain for r in tree.steps)
+        outputs[backend] = (pld.token_ids, tree.token_ids, [r.decision.accepted.tolist() for r in tree.steps])
+    assert outputs["torch"] == outputs["triton"]
+    assert outputs["torch"][0] == reference and outputs["torch"][1] == reference
