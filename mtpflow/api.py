@@ -31,9 +31,13 @@ class Pipeline:
 
     def __init__(self, cfg: DictConfig, run_plugins: tuple[RunPluginFactory, ...] = (), loaded=None):
         validate(cfg)
-        if cfg.get("k") is not None and cfg.strategy.get("select_k") is not None:
+        if cfg.get("k") is not None:
+            selector = cfg.strategy.get("select_k")
+            if selector is None or "k" not in selector:
+                raise UserError(f"k= does not apply to strategy {cfg.strategy.get('name')!r}: its K selector "
+                                "has no k parameter (see its strategy.select_k settings)")
             cfg = cfg.copy()
-            OmegaConf.update(cfg, "strategy.select_k.k", int(cfg.k), force_add=True)
+            OmegaConf.update(cfg, "strategy.select_k.k", int(cfg.k))
         self.cfg = cfg
         build_stages(cfg.strategy)  # validate every stage's parameters before the (slow) model load
         m = cfg.model

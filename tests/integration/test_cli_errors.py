@@ -1,0 +1,53 @@
+"""User mistakes give one clear line and exit status 2, never a traceback, before the model loads where
+possible."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from mtpflow.cli import main
+
+CASES = [
+    (["strategy=nope", "prompt=hi"], "unknown strategy 'nope'; available:"),
+    (["strategy=pld", "k=100", "prompt=hi"], "k must be"),
+    (["strategy=pld", "strategy.select_k.k=-1", "prompt=hi"], "strategy.select_k.k must be"),
+    (["temperature=-0.5", "prompt=hi"], "temperature must be"),
+    (["top_p=0", "prompt=hi"], "top_p must be"),
+    (["top_p=1.5", "prompt=hi"], "top_p must be"),
+    (["prompt=   "], "empty prompt"),
+    ([], "empty prompt"),
+    (["prompt_file=/nonexistent/prompt.txt"], "cannot read prompt_file"),
+    (["model.name=/nonexistent/model", "prompt=hi"], "model path not found"),
+    (["max_new_tokens=0", "prompt=hi"], "max_new_tokens must be"),
+    (["output=xml", "prompt=hi"], "output must be"),
+    (["nosuchkey=1", "prompt=hi"], "bad configuration"),
+]
+
+
+@pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(c[0]) or "no-args" for c in CASES])
+def test_user_errors_are_one_line(argv, message, capsys):
+    assert main(argv + ["trace=off"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mtpflow: error: ") and message in err, err
+    assert len(err.splitlines()) == 1
+
+
+def test_prompt_longer_than_context(tmp_path, capsys, default_loaded):
+    path = tmp_path / "long.txt"
+    path.write_text("word " * 9000)
+    assert main([f"prompt_file={path}", "trace=off"]) == 2
+    assert "context is 8192" in capsys.readouterr().err
+
+
+def test_directory_as_prompt_file(tmp_path, capsys):
+    assert main([f"prompt_file={tmp_path}", "trace=off"]) == 2
+    assert "cannot read prompt_file" in capsys.readouterr().err
+
+
+def test_subprocess_exit_code_and_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "mtpflow", "strategy=nope", "prompt=hi"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "unknown strategy" in proc.stderr

@@ -1,0 +1,62 @@
+"""The embedded default model (SmolLM2-135M-Instruct): lossless strategies equal HF greedy generate token
+for token on a handful of prompts, and the CLI's output modes work end to end."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import hf_greedy, make_pipeline
+
+pytestmark = pytest.mark.default_model
+
+PROMPTS = [
+    "Summarize: The meeting moved from Tuesday to Thursday at 3 pm because the client asked for more time to "
+    "review the proposal. Please bring the revised budget numbers.",
+    "Rename the variable x to total:\n\ndef f(values):\n    x = 0\n    for v in values:\n        x += v\n    return x",
+    "What is the capital of France?",
+]
+
+
+@pytest.mark.parametrize("strategy", ["pld", "adaptive", "jacobi", "baseline"])
+def test_default_model_lossless(default_loaded, strategy):
+    pipe = make_pipeline(default_loaded, strategy, "max_new_tokens=48", "trace=off")
+    drafted = 0
+    for prompt in PROMPTS:
+        ids = pipe.encode(prompt).tolist()
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(default_loaded.model, ids, 48), prompt[:30]
+        drafted += result.stats["accepted_tokens"]
+    if strategy in ("pld", "adaptive"):
+        assert drafted > 10  # prompt lookup really accepted drafts on these copy-heavy prompts
+
+
+def test_api_decodes_many_prompts_with_one_model(default_loaded):
+    pipe = make_pipeline(default_loaded, "pld", "max_new_tokens=16", "trace=off")
+    results = [pipe(p) for p in PROMPTS[:2]]
+    assert all(r.text and r.stats["new_tokens"] <= 16 for r in results)
+    streamed = "".join(pipe.stream(PROMPTS[2]))
+    assert streamed.strip() and streamed == pipe.last_result.text
+
+
+def test_cli_json_prompt_file_and_chat_false(tmp_path, default_loaded):
+    path = tmp_path / "prompt.txt"
+    path.write_text("def fibonacci(n):")
+    cmd = [sys.executable, "-m", "mtpflow", "strategy=pld", f"prompt_file={path}", "chat=false", "output=json",
+           "max_new_tokens=12", "trace=off"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert set(doc) >= {"text", "token_ids", "stats"} and len(doc["token_ids"]) == doc["stats"]["new_tokens"]
+    ids = default_loaded.tokenizer("def fibonacci(n):")["input_ids"]
+    assert doc["token_ids"] == hf_greedy(default_loaded.model, ids, 12)
+
+
+def test_cli_streams_text_then_stats(default_loaded):
+    proc = subprocess.run([sys.executable, "-m", "mtpflow", "strategy=pld", "prompt=Say hello in French.",
+                           "max_new_tokens=8", "trace=off"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    for label in ("tokens", "forward passes", "MAL", "tokens/s", "acceptance rate", "time to first token"):
+        assert label in proc.stdout
