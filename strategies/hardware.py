@@ -1,0 +1,219 @@
+"""Hardware-aware K (stage ``select_k``): K from the device's name (A100 4, H100/H200 6, L40S 2, other GPUs 3),
+or ``auto``: measure the verify-forward cost for a few K on this device and model once (cached on disk),
+then pick each step the K that maximises expected tokens per second at the run's recent acceptance rate,
+E[tokens] = (1 - a^(K+1)) / (1 - a) over the cost of a (1 + K)-token verify forward.
+
+On a CPU a 1-token forward is a GEMV and much cheaper than any multi-token one, so ``auto`` rightly picks a
+small K, or 0, unless drafts are accepted often; the CPU default is therefore ``auto``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mtpflow.errors import ConfigError
+from mtpflow.hookspecs import hookimpl
+from mtpflow.strategies.k_selectors import check_k
+from mtpflow.types import DecodeState, StepRecord
+
+AUTO = "auto"
+DEFAULT_DEVICE_K = {"A100": 4, "H100": 6, "H200": 6, "L40S": 2}
+
+
+def device_name(device: str) -> str:
+    """A readable name of a torch device: the CUDA product name, or "cpu" / the device type."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    return dev.type
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens per step with K drafts, each accepted with probability ``acceptance`` given the previous
+    one was: 1 + a + ... + a^K (the bonus or recovered token included)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def best_k(costs: dict[int, float], acceptance: float) -> int:
+    """The K (a key of ``costs``, seconds per verify forward) with the most expected tokens per second;
+    ties go to the smaller K."""
+    return max(sorted(costs), key=lambda k: expected_tokens(acceptance, k) / costs[k])
+
+
+@torch.inference_mode()
+def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Median seconds of a verify forward feeding the root plus K random draft tokens on a ``context``-token
+    cache, for each K; the Ks are interleaved so background load drifts hit them alike."""
+    from tqdm import tqdm
+
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    target = Target(model)
+    target.prefill(torch.randint(0, vocab, (context,), generator=g))
+    drafts = {k: Draft.chain(torch.randint(0, vocab, (k,), generator=g)) for k in ks}
+    cuda = target.device.type == "cuda"
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for i in tqdm(range(repeats + 1), desc="measuring verify cost", unit="round", leave=False):
+        for k in ks:
+            start = target.cache_len
+            if cuda:
+                torch.cuda.synchronize(target.device)
+            t0 = time.perf_counter()
+            target.verify(1, drafts[k], root_position=start)
+            if cuda:
+                torch.cuda.synchronize(target.device)
+            seconds = time.perf_counter() - t0
+            target.commit(start, drafts[k].num_nodes, torch.zeros(0, dtype=torch.long))
+            target.cache.crop(-1)  # drop the root too: the cache is back to the prefix
+            target.cache_len = start
+            if i:  # the first round warms up kernels and allocators
+                times[k].append(seconds)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: list[int]) -> Path:
+    from mtpflow.model import cache_dir
+
+    key = json.dumps([device, model_id, dtype, context, sorted(ks)])
+    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
+    return cache_dir() / "verify_cost" / f"{digest}.json"
+
+
+def _check_k_or_auto(name: str, value) -> int | str:
+    return AUTO if value == AUTO else check_k(name, value)
+
+
+class HardwareAwareK:
+    """K by device name, or ``auto`` (see the module docstring).
+
+    ``k``: a fixed K or ``auto`` overriding the device table (the ``k=`` shortcut). ``device_k`` adds or
+    overrides name -> K entries (matched as a case-insensitive substring of the device name, longest
+    first). ``device_name`` and ``costs`` ({K: seconds}) replace what would be read or measured (tests, or
+    a device whose name the table does not know).
+    """
+
+    def __init__(self, k: int | str | None = None, device_k: dict[str, int | str] | None = None,
+                 other_gpu_k: int | str = 3, cpu_k: int | str = AUTO, device_name: str | None = None,
+                 auto_ks: list[int] | tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8), acceptance_prior: float = 0.5,
+                 acceptance_memory: float = 0.9, probe_every: int = 8, cost_context: int = 256,
+                 cost_repeats: int = 5, costs: dict[int, float] | None = None):
+        self.fixed = None if k is None else _check_k_or_auto("strategy.select_k.k", k)
+        table = {**DEFAULT_DEVICE_K, **(device_k or {})}
+        self.device_k = {str(n): _check_k_or_auto(f"strategy.select_k.device_k.{n}", v) for n, v in table.items()}
+        self.other_gpu_k = _check_k_or_auto("strategy.select_k.other_gpu_k", other_gpu_k)
+        self.cpu_k = _check_k_or_auto("strategy.select_k.cpu_k", cpu_k)
+        self.device_name_override = device_name
+        self.auto_ks = sorted({check_k("strategy.select_k.auto_ks[]", x) for x in auto_ks})
+        if not self.auto_ks:
+            raise ConfigError("strategy.select_k.auto_ks must list at least one K")
+        for name, value in (("acceptance_prior", acceptance_prior), ("acceptance_memory", acceptance_memory)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ConfigError(f"strategy.select_k.{name} must be in [0, 1), got {value!r}")
+        self.acceptance_prior, self.acceptance_memory = float(acceptance_prior), float(acceptance_memory)
+        self.probe_every = check_k("strategy.select_k.probe_every", probe_every)
+        for name, value in (("cost_context", cost_context), ("cost_repeats", cost_repeats)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"strategy.select_k.{name} must be a positive integer, got {value!r}")
+        self.cost_context, self.cost_repeats = cost_context, cost_repeats
+        self.costs = None if costs is None else {check_k("strategy.select_k.costs", int(kk)): float(v)
+                                                  for kk, v in costs.items()}
+        self.mode: int | str = AUTO
+        # decayed counts of accepted / rejected draft positions (the geometric model's successes / failures)
+        self._accepted = self._rejected = 0.0
+        self._steps_without_draft = 0
+
+    def k_for_device(self, name: str, device_type: str) -> int | str:
+        if device_type == "cpu":
+            return self.cpu_k
+        for key in sorted(self.device_k, key=len, reverse=True):
+            if key.lower() in name.lower():
+                return self.device_k[key]
+        return self.other_gpu_k
+
+    @property
+    def acceptance(self) -> float:
+        """Recent per-position acceptance, the prior counting as two observations."""
+        prior_weight = 2.0
+        return (self._accepted + prior_weight * self.acceptance_prior) / (
+            self._accepted + self._rejected + prior_weight)
+
+    def _load_costs(self, context) -> tuple[dict[int, float], str]:
+        model = context.model
+        name = self.device_name_override or device_name(context.device)
+        limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(self.auto_ks) - 2
+        ctx = max(1, min(self.cost_context, limit))
+        path = cost_cache_path(name, context.model_id, str(model.dtype), ctx, self.auto_ks)
+        if path.exists():
+            try:
+                stored = json.loads(path.read_text())
+                return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
+            except (OSError, ValueError, KeyError):
+                pass  # a damaged cache file is measured again
+        costs = measure_verify_costs(model, self.auto_ks, ctx, self.cost_repeats)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"device": name, "model": context.model_id, "dtype": str(model.dtype),
+                                   "context": ctx, "seconds": {str(k): v for k, v in costs.items()}}, indent=1))
+        tmp.replace(path)
+        return costs, "measured"
+
+    @hookimpl
+    def on_run_start(self, context) -> dict[str, Any]:
+        dev_type = torch.device(context.device).type
+        name = self.device_name_override or device_name(context.device)
+        if self.device_name_override:  # a named device stands for an accelerator unless it is called cpu
+            dev_type = "cpu" if name.strip().lower() == "cpu" else "cuda"
+        self.mode = self.fixed if self.fixed is not None else self.k_for_device(name, dev_type)
+        facts: dict[str, Any] = {"hardware_device": name}
+        if self.mode == AUTO:
+            source = "given"
+            if self.costs is None:
+                self.costs, source = self._load_costs(context)
+            k = best_k(self.costs, self.acceptance)
+            facts.update({"hardware_k": "auto", "auto_start_k": k, "auto_costs": source})
+            if 0 in self.costs:  # what drafting costs here, relative to a plain 1-token forward
+                facts.update({f"auto_cost_k{kk}_vs_k0": round(c / self.costs[0], 3)
+                              for kk, c in sorted(self.costs.items()) if kk})
+        else:
+            facts["hardware_k"] = self.mode
+        return facts
+
+    @hookimpl
+    def select_k(self, state: DecodeState) -> int:
+        if self.mode != AUTO:
+            return int(self.mode)
+        if self.costs is None:  # on_run_start did not run (a bare unit call): no measurement, no drafting
+            return 0
+        k = best_k(self.costs, self.acceptance)
+        if k == 0 and self.probe_every and self._steps_without_draft >= self.probe_every:
+            # Without drafts the acceptance estimate never updates: probe with the best drafting K.
+            drafting = {kk: c for kk, c in self.costs.items() if kk > 0}
+            if drafting:
+                k = best_k(drafting, self.acceptance)
+        return k
+
+    @hookimpl
+    def on_step_end(self, record: StepRecord) -> None:
+        if self.mode != AUTO:
+            return
+        if record.draft.num_nodes == 0:
+            self._steps_without_draft += 1
+            return
+        self._steps_without_draft = 0
+        deepest = int(record.draft.depths().max())
+        accepted = record.decision.num_accepted
+        m = self.acceptance_memory
+        self._accepted = m * self._accepted + accepted
+        self._rejected = m * self._rejected + (1 if accepted < deepest else 0)
