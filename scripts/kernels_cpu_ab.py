@@ -1,0 +1,84 @@
+"""CPU A/B of the kernel dispatch layer: the decode benchmark's prompts through baseline and pld with the
+``kernels=torch`` path (dispatchers + the vectorised n-gram reference) against the code before it (PLD's
+original n-gram loop and the gate calling the reference directly), alternating A and B per prompt in one
+process so machine load hits both alike.
+
+    python scripts/kernels_cpu_ab.py --limit 2 --max-new-tokens 64
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+
+@contextlib.contextmanager
+def old_path():
+    """Swap in the pre-kernels functions: PLD's n-gram loop and the gate's direct reference call."""
+    import mtpflow.strategies.gates as gates
+    import mtpflow.strategies.pld as pld
+    from mtpflow.kernels.ngram import ngram_continuation_loop
+    from mtpflow.kernels.tree_verify import greedy_tree_verify_reference
+
+    saved = pld.ngram_continuation, gates.greedy_tree_verify
+    pld.ngram_continuation = lambda c, lo, hi, k, backend=None: ngram_continuation_loop(c, lo, hi, k)
+    gates.greedy_tree_verify = greedy_tree_verify_reference
+    try:
+        yield
+    finally:
+        pld.ngram_continuation, gates.greedy_tree_verify = saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--limit", type=int, default=2, help="prompts per class")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--strategies", default="baseline,pld")
+    args = parser.parse_args()
+    from mtpflow.api import pipeline
+    from mtpflow.bench import load_prompt_suite
+
+    suite = load_prompt_suite(limit=args.limit)
+    common = [f"max_new_tokens={args.max_new_tokens}", "kernels=torch"]
+    pipes = {s: pipeline(s, common) for s in args.strategies.split(",")}
+    warm = next(iter(pipes.values())).encode("Hello")
+    for p in pipes.values():
+        p(prompt_ids=warm)
+    seconds = {(s, v): [] for s in pipes for v in ("before", "kernels=torch")}
+    same = True
+    for i, item in enumerate(tqdm(suite, desc="A/B", unit="prompt")):
+        for name, pipe in pipes.items():
+            ids = pipe.encode(item["prompt"])
+            order = ("before", "kernels=torch") if i % 2 == 0 else ("kernels=torch", "before")
+            tokens = {}
+            for variant in order:
+                ctx = old_path() if variant == "before" else contextlib.nullcontext()
+                with ctx:
+                    t0 = time.perf_counter()
+                    tokens[variant] = pipe(prompt_ids=ids).token_ids
+                    seconds[name, variant].append(time.perf_counter() - t0)
+            same &= tokens["before"] == tokens["kernels=torch"]
+    print(f"{'strategy':<10} {'variant':<15} {'total s':>9} {'median s':>9}")
+    for (name, variant), xs in seconds.items():
+        print(f"{name:<10} {variant:<15} {sum(xs):9.2f} {statistics.median(xs):9.3f}")
+    for name in pipes:
+        ratio = sum(seconds[name, "kernels=torch"]) / sum(seconds[name, "before"])
+        print(f"{name}: kernels=torch / before = {ratio:.3f}")
+    print("identical tokens:", same)
+    # the n-gram match alone, on a context of the size PLD sees
+    from mtpflow.kernels.ngram import ngram_continuation_loop, ngram_continuation_reference
+
+    context = torch.tensor(next(iter(pipes.values())).encode(suite[0]["prompt"]).tolist() * 2)
+    for name, fn in (("loop (before)", ngram_continuation_loop), ("vectorised reference", ngram_continuation_reference)):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn(context, 1, 3, 8)
+        print(f"n-gram match over {context.numel()} tokens, {name}: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us")
+
+
+if __name__ == "__main__":
+    main()
