@@ -6,6 +6,9 @@ import random
 
 import torch
 
+# where the Triton side of each comparison runs: compiled on CUDA, the interpreter on CPU
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
 
 def random_parents(rng: random.Random, num_nodes: int) -> list[int]:
     """Parents in topological order for one of several tree shapes."""

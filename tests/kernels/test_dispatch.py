@@ -81,11 +81,10 @@ def test_decode_tokens_identical_with_either_backend(tiny):
     ids = [5, 9, 12, 40, 5, 9, 12, 7, 5, 9]
     reference = hf_greedy(tiny.model, ids, 14)
     outputs = {}
-    for backend in ("torch", "triton"):
-        pld = make_pipeline(tiny, "pld", "max_new_tokens=14", f"kernels={backend}")(prompt_ids=ids)
+    for backend in ("torch", "triton"):  # plain PLD with both backends runs in test_tree_attention_kernel
         tree = make_pipeline(tiny, "baseline", "max_new_tokens=14", "k=4", f"kernels={backend}")(
             prompt_ids=ids, extra_plugins=(PromptLookupTree(vocab, seed=1),))
         assert any(not r.draft.is_chain for r in tree.steps)
-        outputs[backend] = (pld.token_ids, tree.token_ids, [r.decision.accepted.tolist() for r in tree.steps])
+        outputs[backend] = (tree.token_ids, [r.decision.accepted.tolist() for r in tree.steps])
     assert outputs["torch"] == outputs["triton"]
-    assert outputs["torch"][0] == reference and outputs["torch"][1] == reference
+    assert outputs["torch"][0] == reference

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+from kernel_cases import DEVICE
 
 from mtpflow.kernels import ngram_continuation, ngram_continuation_reference
 from mtpflow.kernels.ngram import ngram_continuation_loop
@@ -33,7 +34,7 @@ def test_vectorised_reference_equals_the_loop():
 def test_kernel_equals_reference():
     for context, min_n, max_n, k in _cases(1, 40):
         expected = ngram_continuation_reference(context, min_n, max_n, k)
-        assert torch.equal(ngram_continuation(context, min_n, max_n, k, backend="triton"), expected)
+        assert torch.equal(ngram_continuation(context.to(DEVICE), min_n, max_n, k, backend="triton").cpu(), expected)
 
 
 def test_kernel_on_a_long_history_spans_several_programs():
@@ -42,7 +43,7 @@ def test_kernel_on_a_long_history_spans_several_programs():
     for max_n in (1, 3, 8):
         expected = ngram_continuation_loop(context, 1, max_n, 5)
         assert expected.numel()
-        assert torch.equal(ngram_continuation(context, 1, max_n, 5, backend="triton"), expected)
+        assert torch.equal(ngram_continuation(context.to(DEVICE), 1, max_n, 5, backend="triton").cpu(), expected)
 
 
 def test_pld_uses_the_dispatcher_with_identical_results():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from kernel_cases import random_parents
+from kernel_cases import DEVICE, random_parents
 
 from mtpflow.kernels import pfs_prune, pfs_prune_reference, pfs_tree, pfs_tree_reference
 
@@ -21,8 +21,8 @@ def test_prune_kernel_matches_reference():
             probs[: n // 2] = 0.5  # equal scores: ties go to the lower node index
         threshold, budget = rng.choice([0.0, 0.05, 0.3]), rng.choice([None, 1, 4, 100])
         pfs, keep = pfs_prune_reference(probs, parents, threshold, budget)
-        got_pfs, got_keep = pfs_prune(probs, parents, threshold, budget, backend="triton")
-        assert torch.equal(got_pfs, pfs) and torch.equal(got_keep, keep), case
+        got_pfs, got_keep = pfs_prune(probs.to(DEVICE), parents, threshold, budget, backend="triton")
+        assert torch.equal(got_pfs.cpu(), pfs) and torch.equal(got_keep.cpu(), keep), case
         kept_some |= bool(keep.any())
         pruned_some |= bool((~keep).any())
     assert kept_some and pruned_some
@@ -57,7 +57,8 @@ def test_fused_topk_tree_kernel_matches_reference():
             logits = logits.round()  # tied logits: the lower token id ranks first
         threshold, budget = rng.choice([0.0, 0.01, 0.2]), rng.choice([None, 3, 50])
         tokens, pfs, keep = pfs_tree_reference(logits, parents, choices, threshold, budget)
-        got_tokens, got_pfs, got_keep = pfs_tree(logits, parents, choices, threshold, budget, backend="triton")
+        got = pfs_tree(logits.to(DEVICE), parents, choices, threshold, budget, backend="triton")
+        got_tokens, got_pfs, got_keep = (t.cpu() for t in got)
         assert torch.equal(got_tokens, tokens), case
         torch.testing.assert_close(got_pfs, pfs, rtol=1e-5, atol=1e-7)
         assert torch.equal(got_keep, keep), case

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
+from kernel_cases import DEVICE
 
 from mtpflow.kernels import speculative_accept, speculative_accept_reference
 from mtpflow.kernels.speculative import integer_weights, inverse_cdf
@@ -23,7 +24,8 @@ def test_kernel_matches_reference_given_the_same_uniforms():
         tokens = torch.multinomial(q, 1, generator=g).flatten() if n else torch.zeros(0, dtype=torch.long)
         uniforms = torch.rand(n + 1, generator=g)
         expected = speculative_accept_reference(p, q, tokens, uniforms)
-        assert speculative_accept(p, q, tokens, uniforms, backend="triton") == expected, case
+        on_device = (t.to(DEVICE) for t in (p, q, tokens, uniforms))
+        assert speculative_accept(*on_device, backend="triton") == expected, case
         outcomes.add((expected[0] == n, expected[0] == 0))
     assert len(outcomes) >= 2  # both full accepts and early rejections were exercised
 

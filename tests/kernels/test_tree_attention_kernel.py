@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from kernel_cases import random_parents, tree_allowed
+from kernel_cases import DEVICE, random_parents, tree_allowed
 
 from mtpflow.kernels import tree_attention, tree_attention_reference, use_backend
 from mtpflow.kernels.tree_attention_triton import tree_attention_triton
@@ -22,11 +22,12 @@ def test_kernel_matches_reference():
         q = torch.randn(batch, kv_heads * group, nq, head_dim, generator=g)
         k, v = (torch.randn(batch, kv_heads, prefix + nq, head_dim, generator=g) for _ in range(2))
         expected = tree_attention_reference(q, k, v, allowed, prefix)
-        torch.testing.assert_close(tree_attention(q, k, v, allowed, prefix, backend="triton"), expected,
+        qd, kd, vd, ad = (t.to(DEVICE) for t in (q, k, v, allowed))
+        torch.testing.assert_close(tree_attention(qd, kd, vd, ad, prefix, backend="triton").cpu(), expected,
                                    atol=1e-4, rtol=1e-4)
         # several key splits merged by log-sum-exp
-        torch.testing.assert_close(tree_attention_triton(q, k, v, allowed, prefix, head_dim**-0.5, keys_per_split=16),
-                                   expected, atol=1e-4, rtol=1e-4)
+        split = tree_attention_triton(qd, kd, vd, ad, prefix, head_dim**-0.5, keys_per_split=16)
+        torch.testing.assert_close(split.cpu(), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_reference_is_masked_softmax_attention():

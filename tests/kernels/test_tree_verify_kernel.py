@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import torch
-from kernel_cases import random_parents
+from kernel_cases import DEVICE, random_parents
 
 from mtpflow.kernels import greedy_tree_verify, greedy_tree_verify_logits, greedy_tree_verify_reference
 
@@ -34,8 +34,8 @@ def test_kernel_matches_reference_on_random_trees():
         logits, argmax, tokens, parents = _case(rng, g)
         ref = greedy_tree_verify_reference(argmax, tokens, parents)
         accepted_somewhere |= ref[0].numel() > 1
-        assert _same(greedy_tree_verify(argmax, tokens, parents, backend="triton"), ref), case
-        assert _same(greedy_tree_verify_logits(logits, tokens, parents, backend="triton"), ref), case
+        assert _same(greedy_tree_verify(argmax.to(DEVICE), tokens, parents, backend="triton"), ref), case
+        assert _same(greedy_tree_verify_logits(logits.to(DEVICE), tokens, parents, backend="triton"), ref), case
     assert accepted_somewhere  # the cases exercise long accepted paths, not only immediate rejections
 
 
@@ -46,7 +46,7 @@ def test_duplicate_siblings_take_the_first_match_like_the_reference():
     parents = torch.tensor([-1, -1, 1])
     ref = greedy_tree_verify_reference(argmax, tokens, parents)
     assert ref[0].tolist() == [0] and ref[1] == 9 and ref[2] is True
-    assert _same(greedy_tree_verify(argmax, tokens, parents, backend="triton"), ref)
+    assert _same(greedy_tree_verify(argmax.to(DEVICE), tokens, parents, backend="triton"), ref)
 
 
 def test_torch_backend_is_the_reference():
