@@ -1,0 +1,130 @@
+"""Self-distillation data for draft heads: the base model writes its own training text from a shipped prompt
+set (batched sampling, cycling temperatures), and we keep, for every position, the last-layer hidden state
+and the model's own greedy choice. Shards are written as they finish, so an interrupted run resumes.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from mtpflow.errors import UserError
+
+
+def load_prompts(path: str | None = None) -> list[str]:
+    """Training prompts (JSONL with a ``prompt`` field); default: ``mtpflow/data/head_train_prompts.jsonl``."""
+    if path:
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise UserError(f"prompt file not found: {p}")
+        text = p.read_text(encoding="utf-8")
+    else:
+        text = resources.files("mtpflow.data").joinpath("head_train_prompts.jsonl").read_text(encoding="utf-8")
+    prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise UserError("the training prompt file has no prompts")
+    return prompts
+
+
+def settings_key(model_id: str, settings: dict) -> str:
+    blob = json.dumps({"model": model_id, **settings}, sort_keys=True)
+    return hashlib.sha1(blob.encode()).hexdigest()[:10]
+
+
+@torch.inference_mode()
+def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos: set[int],
+                 generator: torch.Generator) -> list[dict]:
+    """Sample continuations for a batch of prompts (left-padded). Per sequence: ``tokens`` [L] (prompt +
+    generated), ``hidden`` [L - 1, h] (fp16, the hidden state at each fed input), ``greedy`` [L - 1] (the
+    model's argmax after each input) and ``prompt_len``."""
+    from transformers import DynamicCache
+
+    batch = len(prompts)
+    longest = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.full((batch, longest), pad, dtype=torch.long)
+    attention = torch.zeros(batch, longest, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        attention[i, longest - len(p):] = 1
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    hidden_rows, greedy_rows, token_rows = [], [], [ids]
+    done = torch.zeros(batch, dtype=torch.bool)
+    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
+    step_ids, step_pos = ids, positions
+    for step in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos, cache=cache,
+                    use_cache=True, output_hidden_states=True)
+        logits = out.logits[:, -1].float()
+        hidden_rows.append(out.hidden_states[-1].to(torch.float16))
+        greedy_rows.append(out.logits.argmax(-1))
+        if temperature > 0:
+            nxt = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).flatten()
+        else:
+            nxt = logits.argmax(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        token_rows.append(nxt[:, None])
+        finished = torch.tensor([int(t) in eos for t in nxt.tolist()]) & ~done
+        lengths[finished] = step + 1
+        done |= finished
+        if bool(done.all()):
+            break
+        step_ids = nxt[:, None]
+        step_pos = step_pos[:, -1:] + 1
+        attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], -1)
+    tokens = torch.cat(token_rows, -1)
+    hidden = torch.cat(hidden_rows, 1)
+    greedy = torch.cat(greedy_rows, 1)
+    records = []
+    for i, p in enumerate(prompts):
+        start = longest - len(p)
+        end = longest + int(lengths[i])  # exclusive end of the tokens kept
+        records.append({
+            "tokens": tokens[i, start:end].to(torch.int32).clone(),
+            "hidden": hidden[i, start:end - 1].clone(),
+            "greedy": greedy[i, start:end - 1].to(torch.int32).clone(),
+            "prompt_len": len(p),
+        })
+    return records
+
+
+def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
+    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, max_new_tokens, temperatures, seed)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    prompts = load_prompts(cfg.prompts)
+    samples, batch_size = int(cfg.samples), int(cfg.batch_size)
+    if samples < 1 or batch_size < 1 or int(cfg.max_new_tokens) < 2:
+        raise UserError("data.samples, data.batch_size must be >= 1 and data.max_new_tokens >= 2")
+    temperatures = [float(t) for t in cfg.temperatures] or [0.0]
+    eos = set(loaded.eos_token_ids)
+    shards = []
+    n_shards = (samples + batch_size - 1) // batch_size
+    bar = tqdm(range(n_shards), desc="generate training text", unit="batch")
+    for s in bar:
+        path = folder / f"shard_{s:05d}.pt"
+        shards.append(path)
+        if path.exists():  # resume: this batch was written by an earlier run
+            continue
+        first = s * batch_size
+        picked = [prompts[(first + j) % len(prompts)] for j in range(min(batch_size, samples - first))]
+        generator = torch.Generator().manual_seed(int(cfg.seed) * 100003 + s)
+        temperature = temperatures[s % len(temperatures)]
+        records = sample_batch(loaded.model, [encode(p) for p in picked], int(cfg.max_new_tokens),
+                               temperature, eos, generator)
+        tmp = path.with_suffix(".tmp")
+        torch.save(records, tmp)
+        tmp.replace(path)
+        bar.set_postfix(tokens=sum(int(r["tokens"].numel()) - r["prompt_len"] for r in records))
+    return shards
+
+
+def load_shards(paths: list[Path]) -> list[dict]:
+    records = []
+    for p in paths:
+        records.extend(torch.load(p, weights_only=True))
+    return records

@@ -1,0 +1,264 @@
+"""Train draft heads for any Hugging Face causal LM by self-distillation, on the frozen model:
+
+    python -m mtpflow.train_heads                                # the default model -> <cache>/heads/smollm2
+    python -m mtpflow.train_heads model=hf model.name=ID out=DIR data.samples=512
+
+The base model writes its own training text (``mtpflow.head_data``), then Medusa heads and the EAGLE layer
+learn to predict the model's own greedy choices; each kind is saved to ``out/<kind>/`` and loaded with
+``strategy=medusa strategy.propose.heads=out/medusa`` (or ``model.heads=out``).
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from mtpflow.errors import ConfigError, UserError
+from mtpflow.strategies.head_modules import (
+    EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads,
+)
+
+_lock = threading.Lock()
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """``conf/train_heads.yaml`` composed with overrides (Hydra compose API: no outputs/ folder)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mtpflow.config import conf_dir
+
+    with _lock:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                return hydra_compose(config_name="train_heads", overrides=list(overrides))
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise UserError(f"bad configuration: {' '.join(str(exc).split())[:300]}") from None
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def model_slug(name: str | None) -> str:
+    from mtpflow.model import DEFAULT_MODEL
+
+    if name in (None, "", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(name)).name) or "model"
+
+
+def pick_draft_vocab(records: list[dict], size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` target choices seen most often in the generated text (the whole vocabulary if 0)."""
+    if size <= 0 or size >= vocab:
+        return torch.arange(vocab)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(r["greedy"][r["prompt_len"] - 1:].long(), minlength=vocab)
+    order = torch.argsort(counts, descending=True, stable=True)
+    return order[:size].sort().values
+
+
+def medusa_examples(records: list[dict], num_heads: int, index: torch.Tensor):
+    """(hidden [N, h] fp16, labels [N, num_heads]): head i at input j learns the model's choice after input
+    j + 1 + i, i.e. the token at j + 2 + i; -100 where the sequence ends or the token is outside the draft
+    vocabulary."""
+    xs, ys = [], []
+    for r in records:
+        n, start = r["hidden"].shape[0], r["prompt_len"] - 1
+        greedy = index[r["greedy"].long()]
+        labels = torch.full((n - start, num_heads), -100, dtype=torch.long)
+        for i in range(num_heads):
+            lo = start + 1 + i
+            if lo < n:
+                labels[: n - lo, i] = greedy[lo:]
+        xs.append(r["hidden"][start:])
+        ys.append(labels)
+    return torch.cat(xs), torch.cat(ys)
+
+
+def head_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    valid = labels >= 0
+    return float((logits.argmax(-1) == labels)[valid].float().mean()) if bool(valid.any()) else 0.0
+
+
+def train_medusa(cfg, records, held_out, lm, index, hidden, seed) -> tuple[MedusaHeads, dict]:
+    torch.manual_seed(seed)
+    k = int(cfg.num_heads)
+    heads = MedusaHeads(hidden, k)
+    x, y = medusa_examples(records, k, index)
+    xv, yv = medusa_examples(held_out, k, index)
+    opt = torch.optim.AdamW(heads.parameters(), lr=float(cfg.lr), weight_decay=0.0)
+    steps, batch = int(cfg.steps), int(cfg.batch_tokens)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(cfg.lr), total_steps=max(steps, 1), pct_start=0.05)
+    weights = torch.tensor([float(cfg.head_decay) ** i for i in range(k)])
+    g = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc="train medusa heads", unit="step")
+    for _ in bar:
+        pick = torch.randint(0, x.shape[0], (batch,), generator=g)
+        feats = heads(x[pick].float())  # [k, B, h]
+        loss = sum(weights[i] * F.cross_entropy(lm(feats[i]), y[pick, i], ignore_index=-100) for i in range(k))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    with torch.no_grad():
+        feats = heads(xv[:4096].float())
+        acc = [round(head_accuracy(lm(feats[i]), yv[:4096, i]), 4) for i in range(k)]
+    return heads.eval(), {"train_examples": int(x.shape[0]), "held_out_top1": acc}
+
+
+def eagle_batch(records, length, g, embed, index, noise):
+    """Random crops of ``length`` inputs: features f_j, embeddings of x_{j+1}, targets f_{j+1} and labels
+    (the model's choice after input j + 1), with a loss mask over the generated part."""
+    feats, embs, target, labels, mask, pos = [], [], [], [], [], []
+    for _ in range(len(records)):
+        r = records[int(torch.randint(0, len(records), (1,), generator=g))]
+        n = r["hidden"].shape[0]  # inputs 0 .. n-1 (token n is the last sampled one)
+        usable = n - 1  # input j needs f_{j+1}
+        if usable < 2:
+            continue
+        t = min(length, usable)
+        lo = int(torch.randint(0, usable - t + 1, (1,), generator=g))
+        j = torch.arange(lo, lo + t)
+        f = r["hidden"][j].float()
+        if noise:
+            f = f + (torch.rand(f.shape, generator=g) * 2 - 1) * noise
+        pad = length - t
+        feats.append(F.pad(f, (0, 0, 0, pad)))
+        embs.append(F.pad(embed(r["tokens"][j + 1].long()).float(), (0, 0, 0, pad)))
+        target.append(F.pad(r["hidden"][j + 1].float(), (0, 0, 0, pad)))
+        labels.append(F.pad(index[r["greedy"][j + 1].long()], (0, pad), value=-100))
+        mask.append(F.pad((j >= r["prompt_len"] - 1).float(), (0, pad)))
+        pos.append(F.pad(j, (0, pad)))
+    return (torch.stack(feats), torch.stack(embs), torch.stack(target), torch.stack(labels), torch.stack(mask),
+            torch.stack(pos))
+
+
+def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple[EagleDrafter, dict, dict]:
+    torch.manual_seed(seed)
+    heads = int(cfg.attention_heads) or default_attention_heads(hidden)
+    layer_cfg = {"attention_heads": heads, "intermediate_size": int(cfg.intermediate_size), "window": int(cfg.window)}
+    drafter = EagleDrafter(hidden, heads, int(cfg.intermediate_size), int(cfg.window))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=float(cfg.lr), weight_decay=0.0)
+    steps = int(cfg.steps)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(cfg.lr), total_steps=max(steps, 1), pct_start=0.05)
+    g = torch.Generator().manual_seed(seed)
+    bar = tqdm(range(steps), desc="train eagle layer", unit="step")
+    for _ in bar:
+        sample = [records[int(torch.randint(0, len(records), (1,), generator=g))] for _ in range(int(cfg.batch_sequences))]
+        f, e, tgt, lab, m, pos = eagle_batch(sample, int(cfg.sequence_length), g, embed, index, float(cfg.noise))
+        out = drafter(f, e, pos)
+        lab = torch.where(m > 0, lab, torch.full_like(lab, -100))
+        ce = F.cross_entropy(lm(out).flatten(0, 1), lab.flatten(), ignore_index=-100)
+        reg = (F.smooth_l1_loss(out, tgt, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
+        loss = ce + float(cfg.feature_weight) * reg
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}")
+    drafter.eval()
+    with torch.no_grad():
+        gv = torch.Generator().manual_seed(seed + 1)
+        f, e, tgt, lab, m, pos = eagle_batch(held_out[:32], int(cfg.sequence_length), gv, embed, index, 0.0)
+        lab = torch.where(m > 0, lab, torch.full_like(lab, -100))
+        acc = head_accuracy(lm(drafter(f, e, pos)), lab)
+    return drafter, {"held_out_top1": [round(acc, 4)]}, layer_cfg
+
+
+def run(cfg: DictConfig, loaded=None) -> Path:
+    """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out``; ``loaded`` hands in
+    a model already in memory (tests)."""
+    from mtpflow.model import cache_dir, encode_prompt, load_model
+    from mtpflow.head_data import generate_data, load_shards, settings_key
+
+    kinds = list(cfg.kinds)
+    for kind in kinds:
+        if kind not in ("medusa", "eagle"):
+            raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle)")
+    if int(cfg.threads) > 0:
+        torch.set_num_threads(int(cfg.threads))
+    t0 = time.perf_counter()
+    m = cfg.model
+    loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+    model = loaded.model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    slug = model_slug(m.name)
+    out = Path(cfg.out).expanduser() if cfg.out else cache_dir() / "heads" / slug
+    data_settings = OmegaConf.to_container(cfg.data, resolve=True)
+    data_settings.pop("folder", None)
+    folder = Path(cfg.data.folder).expanduser() if cfg.data.folder else \
+        cache_dir() / "head_data" / f"{slug}-{settings_key(loaded.model_id, {**data_settings, 'chat': bool(cfg.chat)})}"
+    print(f"training data: {folder}", file=sys.stderr)
+
+    def encode(prompt):
+        return encode_prompt(loaded.tokenizer, prompt, bool(cfg.chat))
+
+    shards = generate_data(loaded, cfg.data, folder, encode)
+    t_data = time.perf_counter() - t0
+    records = load_shards(shards)
+    random.Random(int(cfg.seed)).shuffle(records)
+    n_held = max(1, len(records) // 10) if len(records) > 1 else 0
+    held_out, train = records[:n_held] or records, records[n_held:] or records
+    lm_weight = model.get_output_embeddings().weight.detach().float().cpu()
+    vocab, hidden = int(lm_weight.shape[0]), int(model.config.hidden_size)
+    draft_ids = pick_draft_vocab(train, int(cfg.draft_vocab), vocab)
+    index = draft_index(draft_ids, vocab)
+    draft_weight = lm_weight[draft_ids]
+
+    def lm(features):
+        return features @ draft_weight.T
+
+    embed_weight = model.get_input_embeddings().weight.detach().float().cpu()
+
+    def embed(ids):
+        return embed_weight[ids]
+
+    generated = sum(int(r["tokens"].numel()) - r["prompt_len"] for r in records)
+    base = {"model_id": loaded.model_id, "model_name": str(m.name), "hidden_size": hidden, "vocab_size": vocab}
+    training = {"sequences": len(records), "generated_tokens": generated, "data_seconds": round(t_data, 1),
+                "data": data_settings}
+    for kind in kinds:
+        t_kind = time.perf_counter()
+        if kind == "medusa":
+            module, metrics = train_medusa(cfg.medusa, train, held_out, lm, index, hidden, int(cfg.seed))
+            config = {**base, "kind": "medusa", "num_heads": int(cfg.medusa.num_heads)}
+        else:
+            module, metrics, layer_cfg = train_eagle(cfg.eagle, train, held_out, lm, index, embed, hidden, int(cfg.seed))
+            config = {**base, "kind": "eagle", "num_heads": 1, **layer_cfg}
+        config["training"] = {**training, **metrics, "train_seconds": round(time.perf_counter() - t_kind, 1),
+                              "settings": OmegaConf.to_container(cfg[kind], resolve=True)}
+        save_heads(out / kind, module, draft_ids, config)
+        print(f"{kind}: held-out top-1 {metrics['held_out_top1']} -> {out / kind}", file=sys.stderr)
+    total = time.perf_counter() - t0
+    summary = {"seconds_total": round(total, 1), "seconds_data": round(t_data, 1), "out": str(out)}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(f"done in {total / 60:.1f} min: {out}", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run(compose(argv))
+    except UserError as exc:
+        print(f"mtpflow.train_heads: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

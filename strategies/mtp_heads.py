@@ -1,0 +1,229 @@
+"""The ``mtp_heads`` proposer: trained draft heads (Medusa or EAGLE, see ``head_modules``) on the target's
+last hidden state build a candidate TREE from the top-k tokens of each draft position, most probable paths
+first. Every node carries its draft probability, its path probability (``scores["pfs"]``) and the entropy
+of the distribution it came from, for the PFS pruner.
+"""
+from __future__ import annotations
+
+import heapq
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from mtpflow.errors import ConfigError, UserError
+from mtpflow.hookspecs import hookimpl
+from mtpflow.strategies.head_modules import (
+    CONFIG_NAME, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
+)
+from mtpflow.strategies.k_selectors import check_k
+from mtpflow.types import DecodeState, Draft
+
+
+def shipped_heads(model_name: str | None, kind: str) -> Path | None:
+    """The heads shipped in ``mtpflow/data/heads/<model>/<kind>`` for a model config name, if any."""
+    from mtpflow.train_heads import model_slug
+
+    folder = Path(str(resources.files("mtpflow.data"))) / "heads" / model_slug(model_name) / kind
+    return folder if (folder / CONFIG_NAME).exists() else None
+
+
+def resolve_heads(explicit: str | None, model_cfg: dict, kind: str) -> Path:
+    """The heads folder: the proposer's ``heads`` parameter, else ``model.heads``, else the shipped heads.
+    A folder holding ``<kind>/`` (as train_heads writes) is accepted too."""
+    for candidate in (explicit, model_cfg.get("heads")):
+        if candidate:
+            path = Path(str(candidate)).expanduser()
+            if (path / kind / CONFIG_NAME).exists():
+                return path / kind
+            if (path / CONFIG_NAME).exists():
+                return path
+            raise UserError(f"no trained {kind} heads in {path}: run python -m mtpflow.train_heads out={path}")
+    found = shipped_heads(model_cfg.get("name"), kind)
+    if found is None:
+        raise UserError(f"no trained {kind} heads for model {model_cfg.get('name')!r}: train them with "
+                        f"python -m mtpflow.train_heads model.name=... out=DIR, then pass model.heads=DIR")
+    return found
+
+
+def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_nodes: int):
+    """Tree over independent per-depth candidates, nodes in decreasing path probability (so each parent
+    comes before its children). probs[d], ids[d]: [top_k_d] sorted descending. Returns (tokens, parents,
+    node probs, path probs, depths) as lists."""
+    tokens, parents, node_p, path_p, depths = [], [], [], [], []
+    heap = [(-float(probs[0][0]), 0, -1, 0)]  # (-path prob, depth index, parent node, candidate rank)
+    while heap and len(tokens) < max_nodes:
+        neg, d, parent, rank = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(int(ids[d][rank]))
+        parents.append(parent)
+        node_p.append(float(probs[d][rank]))
+        path_p.append(-neg)
+        depths.append(d + 1)
+        parent_p = 1.0 if parent < 0 else path_p[parent]
+        if rank + 1 < len(probs[d]):  # the next sibling
+            heapq.heappush(heap, (-parent_p * float(probs[d][rank + 1]), d, parent, rank + 1))
+        if d + 1 < len(probs):  # the first child
+            heapq.heappush(heap, (neg * float(probs[d + 1][0]), d + 1, node, 0))
+    return tokens, parents, node_p, path_p, depths
+
+
+class MTPHeadsProposer:
+    """Drafts a tree with trained heads. ``kind``: medusa or eagle; ``top_k``: candidates per node;
+    ``max_nodes``: tree size before pruning; ``branch`` (eagle): nodes expanded per depth."""
+
+    def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
+                 branch: int = 4, temperature: float = 1.0):
+        if kind not in ("medusa", "eagle"):
+            raise ConfigError(f"strategy.propose.kind must be medusa or eagle, got {kind!r}")
+        self.kind, self.heads_path = kind, heads
+        self.top_k = check_k("strategy.propose.top_k", top_k)
+        self.max_nodes = check_k("strategy.propose.max_nodes", max_nodes)
+        self.branch = check_k("strategy.propose.branch", branch)
+        if self.top_k < 1 or self.max_nodes < 1 or self.branch < 1:
+            raise ConfigError("strategy.propose: top_k, max_nodes and branch must be >= 1")
+        if not float(temperature) > 0:
+            raise ConfigError(f"strategy.propose.temperature must be > 0, got {temperature!r}")
+        self.temperature = float(temperature)
+        self.module = None
+
+    @hookimpl
+    def on_run_start(self, context):
+        folder = resolve_heads(self.heads_path, (context.config or {}).get("model", {}) or {}, self.kind)
+        module, draft_ids, config = load_heads(folder)
+        if config.get("kind") != self.kind:
+            raise UserError(f"{folder} holds {config.get('kind')} heads, not {self.kind}")
+        model = context.model
+        check_matches(config, model, str(folder))
+        device = next(model.parameters()).device
+        self.module = module.to(device)
+        self.lm = DraftVocabHead(model.get_output_embeddings().weight.to(device), draft_ids.to(device))
+        self.embed = model.get_input_embeddings()
+        self.device = device
+        self._reset_cache()
+        return {"heads": str(folder), "heads_kind": self.kind}
+
+    def _reset_cache(self):
+        self.keys = self.values = None  # EAGLE: [n, heads, head_dim] of committed positions (last window)
+        self.last_x = self.last_q = None  # EAGLE: input and query of the newest committed position
+        self.features_seen = 0  # committed positions whose hidden state the EAGLE cache has consumed
+
+    def _distribution(self, features: torch.Tensor) -> torch.Tensor:
+        return (self.lm.logits(features) / self.temperature).softmax(-1)
+
+    @hookimpl
+    @torch.inference_mode()
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        if self.module is None:
+            raise UserError("the mtp_heads proposer was not started (on_run_start did not run)")
+        if state.hidden is None:
+            raise UserError("the mtp_heads proposer needs hidden states: set needs_hidden_states: true")
+        if isinstance(self.module, MedusaHeads):
+            return self._propose_medusa(state, k)
+        return self._propose_eagle(state, k)
+
+    def _draft(self, tokens, parents, node_p, path_p, entropy) -> Draft:
+        return Draft(
+            tokens=self.lm.draft_ids[torch.tensor(tokens, dtype=torch.long, device=self.lm.draft_ids.device)].cpu(),
+            parents=torch.tensor(parents, dtype=torch.long),
+            probs=torch.tensor(node_p, dtype=torch.float32),
+            source=f"mtp_heads:{self.kind}",
+            scores={"pfs": torch.tensor(path_p, dtype=torch.float32),
+                    "entropy": torch.tensor(entropy, dtype=torch.float32)},
+        )
+
+    def _propose_medusa(self, state: DecodeState, k: int) -> Draft:
+        depth = min(k, self.module.num_heads)
+        hidden = state.hidden[-1].to(self.device)  # produced the root token; head i drafts token root + 1 + i
+        probs = self._distribution(self.module(hidden)[:depth])  # [depth, draft_vocab]
+        top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+        ent = normalized_entropy(probs).tolist()
+        tokens, parents, node_p, path_p, depths = best_first_tree(
+            list(top.values.cpu()), list(top.indices.cpu()), self.max_nodes)
+        return self._draft(tokens, parents, node_p, path_p, [ent[d - 1] for d in depths])
+
+    # --- EAGLE -------------------------------------------------------------------------------------------
+
+    def _sync_cache(self, state: DecodeState) -> None:
+        """Feed the drafter the hidden states committed since the last step (exact: a position's keys and
+        values depend only on its own input)."""
+        drafter: EagleDrafter = self.module
+        committed = int(state.tokens.numel()) - 1  # positions with a hidden state (all but the root)
+        rows = state.hidden.shape[0]
+        if rows >= committed or self.features_seen + rows != committed:
+            self._reset_cache()  # the prefill (or an unexpected gap): start from these rows
+        start = committed - rows
+        keep_from = max(start, committed - drafter.window)
+        feats = state.hidden[keep_from - start:].to(self.device)
+        positions = torch.arange(keep_from, committed, device=self.device)
+        next_tokens = state.tokens[keep_from + 1: committed + 1].to(self.device)
+        x, q, key, value = drafter.project(feats, self.embed(next_tokens).float(), positions)
+        self.keys = key if self.keys is None else torch.cat([self.keys, key])[-drafter.window:]
+        self.values = value if self.values is None else torch.cat([self.values, value])[-drafter.window:]
+        self.last_x, self.last_q = x[-1:], q[-1:]
+        self.features_seen = committed
+
+    def _propose_eagle(self, state: DecodeState, k: int) -> Draft:
+        drafter: EagleDrafter = self.module
+        self._sync_cache(state)
+        root_position = int(state.tokens.numel()) - 1  # position of the newest committed input (f_t, root)
+        n_ctx = self.keys.shape[0]
+        mask = torch.ones(1, 1, n_ctx, dtype=torch.bool, device=self.device)
+        out = drafter.finish(self.last_x[None], self.last_q[None], self.keys[None], self.values[None], mask)[0]
+        probs = self._distribution(out)[0]  # [draft_vocab], depth 1
+        tokens, parents, node_p, path_p, entropy = [], [], [], [], []
+        node_k, node_v, node_out = [], [], []  # per node: its key/value and predicted next feature
+        ancestors: list[list[int]] = []  # per node: path from depth 1, itself included
+
+        def add_children(parent: int, dist: torch.Tensor) -> list[int]:
+            top = dist.topk(min(self.top_k, dist.numel()))
+            ent = float(normalized_entropy(dist))
+            base = 1.0 if parent < 0 else path_p[parent]
+            made = []
+            for p, i in zip(top.values.tolist(), top.indices.tolist()):
+                tokens.append(i)
+                parents.append(parent)
+                node_p.append(p)
+                path_p.append(base * p)
+                entropy.append(ent)
+                ancestors.append(([] if parent < 0 else ancestors[parent]) + [len(tokens) - 1])
+                node_k.append(None)
+                node_v.append(None)
+                node_out.append(None)
+                made.append(len(tokens) - 1)
+            return made
+
+        frontier = add_children(-1, probs)
+        for depth in range(1, k):
+            frontier = sorted(frontier, key=lambda n: -path_p[n])[: self.branch]
+            if not frontier:
+                break
+            if len(tokens) >= self.max_nodes:  # descendants of the frontier can no longer make the cut
+                cut = sorted(path_p, reverse=True)[self.max_nodes - 1]
+                if path_p[frontier[0]] <= cut:
+                    break
+            parent_out = torch.stack([out[0] if parents[n] < 0 else node_out[parents[n]] for n in frontier])
+            ids = self.lm.draft_ids[torch.tensor([tokens[n] for n in frontier], device=self.device)]
+            pos = torch.full((len(frontier),), root_position + depth, device=self.device)
+            x, q, key, value = drafter.project(parent_out, self.embed(ids).float(), pos)
+            context = max(0, min(n_ctx, drafter.window - depth))
+            keys, values = [], []
+            for j, n in enumerate(frontier):
+                path = ancestors[n][:-1]
+                keys.append(torch.cat([self.keys[n_ctx - context:]] + [node_k[a][None] for a in path] + [key[j:j + 1]]))
+                values.append(torch.cat([self.values[n_ctx - context:]] + [node_v[a][None] for a in path] + [value[j:j + 1]]))
+            keys, values = torch.stack(keys), torch.stack(values)
+            mask = torch.ones(len(frontier), 1, keys.shape[1], dtype=torch.bool, device=self.device)
+            outs = drafter.finish(x[:, None], q[:, None], keys, values, mask)[:, 0]
+            dists = self._distribution(outs)
+            new_frontier = []
+            for j, n in enumerate(frontier):
+                node_k[n], node_v[n], node_out[n] = key[j], value[j], outs[j]
+                new_frontier += add_children(n, dists[j])
+            frontier = new_frontier
+        # keep the max_nodes most probable paths (a child is never more probable than its parent)
+        order = sorted(range(len(tokens)), key=lambda n: (-path_p[n], n))[: self.max_nodes]
+        keep = sorted(order)
+        remap = {old: new for new, old in enumerate(keep)}
+        return self._draft([tokens[n] for n in keep], [remap.get(parents[n], -1) if parents[n] >= 0 else -1 for n in keep],
+                           [node_p[n] for n in keep], [path_p[n] for n in keep], [entropy[n] for n in keep])

@@ -1,0 +1,77 @@
+"""The PFS pruner (stage ``prune``): drop draft paths whose path feasibility score, the product of draft
+probabilities along the path, is under a threshold, and keep at most ``max_nodes`` nodes. The threshold
+adapts each step to the entropy of the draft's first-position distribution: lower when the heads are
+uncertain (keep a few guesses rather than none), higher when they are confident (trim the long tail).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mtpflow.errors import ConfigError, check_range
+from mtpflow.hookspecs import hookimpl
+from mtpflow.types import DecodeState, Draft
+
+
+def path_scores(draft: Draft) -> torch.Tensor:
+    """[num_nodes] PFS of each node: ``draft.scores["pfs"]`` when the proposer set it, else the product of
+    ``draft.probs`` along the path (1.0 everywhere for a proposer without probabilities)."""
+    if "pfs" in draft.scores:
+        return draft.scores["pfs"].float()
+    if draft.probs is None:
+        return torch.ones(draft.num_nodes)
+    probs = draft.probs.float().tolist()
+    out = [0.0] * len(probs)
+    for i, p in enumerate(draft.parents.tolist()):
+        out[i] = probs[i] * (1.0 if p < 0 else out[p])
+    return torch.tensor(out)
+
+
+def root_entropy(draft: Draft) -> float | None:
+    """Normalized entropy (0..1) of the distribution the first draft position came from, if known."""
+    ent = draft.scores.get("entropy")
+    if ent is None or not draft.num_nodes:
+        return None
+    first = (draft.parents < 0).nonzero().flatten()
+    return float(ent[first].mean()) if first.numel() else None
+
+
+class PFSPruner:
+    """Keep nodes with PFS >= threshold * exp(adapt * (reference_entropy - H)), clamped to
+    [min_threshold, max_threshold], where H is the draft's first-position normalized entropy; then keep
+    the ``max_nodes`` highest-PFS nodes. ``adapt: 0`` gives a fixed threshold."""
+
+    def __init__(self, threshold: float = 0.35, adapt: float = 2.0, reference_entropy: float = 0.15,
+                 min_threshold: float = 0.02, max_threshold: float = 0.9, max_nodes: int = 16):
+        self.threshold = check_range("strategy.prune.threshold", threshold, 0, 1)
+        self.adapt = check_range("strategy.prune.adapt", adapt, 0, None)
+        self.reference_entropy = check_range("strategy.prune.reference_entropy", reference_entropy, 0, 1)
+        self.min_threshold = check_range("strategy.prune.min_threshold", min_threshold, 0, 1)
+        self.max_threshold = check_range("strategy.prune.max_threshold", max_threshold, 0, 1)
+        if self.min_threshold > self.max_threshold:
+            raise ConfigError("strategy.prune.min_threshold must not exceed max_threshold")
+        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
+            raise ConfigError(f"strategy.prune.max_nodes must be a non-negative integer, got {max_nodes!r}")
+        self.max_nodes = max_nodes
+        self.last_threshold = float(threshold)  # the threshold used by the latest step, for inspection
+
+    def step_threshold(self, entropy: float | None) -> float:
+        """The threshold for a step whose draft has first-position normalized entropy ``entropy``."""
+        if entropy is None or self.adapt == 0:
+            return float(self.threshold)
+        t = float(self.threshold) * math.exp(self.adapt * (float(self.reference_entropy) - entropy))
+        return min(max(t, float(self.min_threshold)), float(self.max_threshold))
+
+    @hookimpl
+    def prune(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        pfs = path_scores(draft)
+        self.last_threshold = self.step_threshold(root_entropy(draft))
+        keep = pfs >= self.last_threshold
+        if int(keep.sum()) > self.max_nodes:
+            # ties broken by node order, so a parent (never less feasible) wins over its children
+            order = sorted(range(draft.num_nodes), key=lambda i: (-float(pfs[i]), i))
+            budget = torch.zeros_like(keep)
+            budget[order[: self.max_nodes]] = True
+            keep &= budget
+        return keep
