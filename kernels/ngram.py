@@ -1,7 +1,8 @@
 """N-gram match over the token history for prompt lookup: the tokens that followed the latest earlier
-occurrence of the longest matching suffix n-gram. The torch reference computes, for every end position, how
-many tokens before it equal the context's suffix (capped at ``max_ngram``), then takes the longest match and
-its latest end; the Triton kernel does the same per block of end positions with one atomic max."""
+occurrence of the longest matching suffix n-gram. The torch reference is PLD's original loop over n (fastest
+on a CPU for histories of a few hundred tokens); ``best_match_key`` is the same answer computed the way the
+Triton kernel does it (per end position, how many tokens before it equal the context's suffix, capped at
+``max_ngram``; the longest match wins, then the latest), tested equal to the loop."""
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,9 @@ import torch
 from mtpflow.kernels.dispatch import resolve_backend
 
 
-def ngram_continuation_loop(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
-    """The original loop over n (kept as the specification the vectorised reference is tested against)."""
+def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
+    """[<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram
+    (n from max_ngram down to min_ngram); empty when nothing matches."""
     length = int(context.numel())
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         pattern = context[-n:]
@@ -44,9 +46,8 @@ def best_match_key(context: torch.Tensor, max_ngram: int) -> int:
     return int(keys.max())
 
 
-def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
-    """[<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram
-    (n from max_ngram down to min_ngram); empty when nothing matches."""
+def ngram_continuation_vectorised(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
+    """The kernel's algorithm in torch (``best_match_key``); equal to the reference."""
     return _follow(context, best_match_key(context, max_ngram), min_ngram, k)
 
 

@@ -1,7 +1,7 @@
 """CPU A/B of the kernel dispatch layer: the decode benchmark's prompts through baseline and pld with the
-``kernels=torch`` path (dispatchers + the vectorised n-gram reference) against the code before it (PLD's
-original n-gram loop and the gate calling the reference directly), alternating A and B per prompt in one
-process so machine load hits both alike.
+``kernels=torch`` path (the dispatchers in front of the references) against the code before it (PLD and the
+gate calling the torch code directly), alternating A and B per prompt in one process so machine load hits
+both alike.
 
     python scripts/kernels_cpu_ab.py --limit 2 --max-new-tokens 64
 """
@@ -21,11 +21,11 @@ def old_path():
     """Swap in the pre-kernels functions: PLD's n-gram loop and the gate's direct reference call."""
     import mtpflow.strategies.gates as gates
     import mtpflow.strategies.pld as pld
-    from mtpflow.kernels.ngram import ngram_continuation_loop
+    from mtpflow.kernels.ngram import ngram_continuation_reference
     from mtpflow.kernels.tree_verify import greedy_tree_verify_reference
 
     saved = pld.ngram_continuation, gates.greedy_tree_verify
-    pld.ngram_continuation = lambda c, lo, hi, k, backend=None: ngram_continuation_loop(c, lo, hi, k)
+    pld.ngram_continuation = lambda c, lo, hi, k, backend=None: ngram_continuation_reference(c, lo, hi, k)
     gates.greedy_tree_verify = greedy_tree_verify_reference
     try:
         yield
@@ -38,7 +38,11 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=2, help="prompts per class")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--strategies", default="baseline,pld")
+    parser.add_argument("--micro-only", action="store_true", help="only the n-gram micro-benchmark")
     args = parser.parse_args()
+    if args.micro_only:
+        micro()
+        return
     from mtpflow.api import pipeline
     from mtpflow.bench import load_prompt_suite
 
@@ -69,15 +73,25 @@ def main() -> None:
         ratio = sum(seconds[name, "kernels=torch"]) / sum(seconds[name, "before"])
         print(f"{name}: kernels=torch / before = {ratio:.3f}")
     print("identical tokens:", same)
-    # the n-gram match alone, on a context of the size PLD sees
-    from mtpflow.kernels.ngram import ngram_continuation_loop, ngram_continuation_reference
+    micro()
 
-    context = torch.tensor(next(iter(pipes.values())).encode(suite[0]["prompt"]).tolist() * 2)
-    for name, fn in (("loop (before)", ngram_continuation_loop), ("vectorised reference", ngram_continuation_reference)):
+
+def micro(repeats: int = 2000) -> None:
+    """The n-gram match alone on a PLD-sized history: the reference called directly, through the dispatcher,
+    and the kernel's algorithm in torch (for information)."""
+    from mtpflow.kernels import ngram_continuation
+    from mtpflow.kernels.ngram import ngram_continuation_reference, ngram_continuation_vectorised
+
+    g = torch.Generator().manual_seed(0)
+    context = torch.randint(0, 400, (300,), generator=g)
+    context[-3:] = context[100:103]
+    for name, fn in (("reference, direct (before)", ngram_continuation_reference),
+                     ("dispatcher, kernels=torch", lambda *a: ngram_continuation(*a, backend="torch")),
+                     ("kernel algorithm in torch", ngram_continuation_vectorised)):
         t0 = time.perf_counter()
-        for _ in range(200):
+        for _ in range(repeats):
             fn(context, 1, 3, 8)
-        print(f"n-gram match over {context.numel()} tokens, {name}: {(time.perf_counter() - t0) / 200 * 1e6:.0f} us")
+        print(f"n-gram match over {context.numel()} tokens, {name}: {(time.perf_counter() - t0) / repeats * 1e6:.0f} us")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The prompt-lookup n-gram match: the vectorised reference against the original loop (the specification),
-the Triton kernel against the reference, and PLD's ``find_ngram_continuation`` routed through the dispatcher."""
+"""The prompt-lookup n-gram match: the kernel's algorithm in torch (``best_match_key``) against the reference
+loop, the Triton kernel against the reference, and PLD's ``find_ngram_continuation`` through the dispatcher."""
 from __future__ import annotations
 
 import random
@@ -8,7 +8,7 @@ import torch
 from kernel_cases import DEVICE
 
 from mtpflow.kernels import ngram_continuation, ngram_continuation_reference
-from mtpflow.kernels.ngram import ngram_continuation_loop
+from mtpflow.kernels.ngram import ngram_continuation_vectorised
 from mtpflow.strategies.pld import find_ngram_continuation
 
 
@@ -22,11 +22,11 @@ def _cases(seed: int, count: int):
         yield context, min_n, rng.randint(min_n, 6), rng.randint(0, 9)
 
 
-def test_vectorised_reference_equals_the_loop():
+def test_kernel_algorithm_in_torch_equals_the_reference_loop():
     found = 0
     for context, min_n, max_n, k in _cases(0, 600):
-        expected = ngram_continuation_loop(context, min_n, max_n, k)
-        assert torch.equal(ngram_continuation_reference(context, min_n, max_n, k), expected), (context, min_n, max_n, k)
+        expected = ngram_continuation_reference(context, min_n, max_n, k)
+        assert torch.equal(ngram_continuation_vectorised(context, min_n, max_n, k), expected), (context, min_n, max_n, k)
         found += expected.numel() > 0
     assert found > 100  # most cases do match something
 
@@ -41,7 +41,7 @@ def test_kernel_on_a_long_history_spans_several_programs():
     rng = random.Random(2)
     context = torch.tensor([rng.randrange(4) for _ in range(700)], dtype=torch.long)
     for max_n in (1, 3, 8):
-        expected = ngram_continuation_loop(context, 1, max_n, 5)
+        expected = ngram_continuation_reference(context, 1, max_n, 5)
         assert expected.numel()
         assert torch.equal(ngram_continuation(context.to(DEVICE), 1, max_n, 5, backend="triton").cpu(), expected)
 
@@ -49,4 +49,4 @@ def test_kernel_on_a_long_history_spans_several_programs():
 def test_pld_uses_the_dispatcher_with_identical_results():
     for context, min_n, max_n, k in _cases(3, 100):
         assert torch.equal(find_ngram_continuation(context, min_n, max_n, k),
-                           ngram_continuation_loop(context, min_n, max_n, k))
+                           ngram_continuation_reference(context, min_n, max_n, k))
