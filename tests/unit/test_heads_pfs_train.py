@@ -1,0 +1,98 @@
+"""The PFS pruner (threshold, node budget, entropy adaptation), the best-first tree builder, and a training
+smoke test of ``mtpflow.train_heads`` on a tiny model (a few steps, then the heads decode losslessly)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy, make_pipeline, tiny_loaded
+from mtpflow.errors import ConfigError
+from mtpflow.strategies.mtp_heads import best_first_tree
+from mtpflow.strategies.pfs import PFSPruner, path_scores
+from mtpflow.types import DecodeState, Draft, SamplingParams
+from test_heads_lossless import one_thread  # noqa: F401 (fixture)
+
+STATE = DecodeState(tokens=torch.tensor([1, 2]), prompt_len=2, step=0, next_position=2,
+                    sampling=SamplingParams(), max_new_tokens=8)
+
+
+def tree(probs, parents, entropy=None):
+    scores = {} if entropy is None else {"entropy": torch.full((len(probs),), float(entropy))}
+    return Draft(torch.arange(len(probs)) + 10, torch.tensor(parents), probs=torch.tensor(probs), scores=scores)
+
+
+def test_path_score_is_product_along_the_path():
+    d = tree([0.9, 0.5, 0.8, 0.5], [-1, 0, 1, -1])
+    assert torch.allclose(path_scores(d), torch.tensor([0.9, 0.45, 0.36, 0.5]))
+
+
+def test_fixed_threshold_drops_infeasible_paths():
+    d = tree([0.9, 0.5, 0.8, 0.3], [-1, 0, 1, -1])  # pfs 0.9, 0.45, 0.36, 0.3
+    keep = PFSPruner(threshold=0.4, adapt=0).prune(STATE, d)
+    assert keep.tolist() == [True, True, False, False]
+
+
+def test_node_budget_keeps_the_most_feasible():
+    d = tree([0.9, 0.9, 0.9, 0.8], [-1, 0, 1, -1])  # pfs 0.9, 0.81, 0.729, 0.8
+    keep = PFSPruner(threshold=0.0, adapt=0, max_nodes=2).prune(STATE, d)
+    assert keep.tolist() == [True, True, False, False]
+    assert not PFSPruner(threshold=0.0, adapt=0, max_nodes=0).prune(STATE, d).any()
+
+
+def test_threshold_adapts_to_entropy():
+    pruner = PFSPruner(threshold=0.35, adapt=2.0, reference_entropy=0.2, min_threshold=0.05, max_threshold=0.8)
+    confident, uncertain = pruner.step_threshold(0.0), pruner.step_threshold(0.8)
+    assert confident > 0.35 > uncertain >= 0.05
+    assert pruner.step_threshold(0.2) == pytest.approx(0.35)
+    assert pruner.step_threshold(None) == 0.35  # no entropy from the proposer: the base threshold
+    # the same draft keeps more nodes when its distribution is uncertain
+    probs, parents = [0.3, 0.6, 0.2], [-1, 0, -1]
+    assert pruner.prune(STATE, tree(probs, parents, entropy=0.9)).sum() > pruner.prune(STATE, tree(probs, parents, entropy=0.0)).sum()
+
+
+def test_bad_parameters_are_config_errors():
+    with pytest.raises(ConfigError):
+        PFSPruner(threshold=1.5)
+    with pytest.raises(ConfigError):
+        PFSPruner(min_threshold=0.5, max_threshold=0.1)
+    with pytest.raises(ConfigError):
+        PFSPruner(max_nodes=-1)
+
+
+def test_best_first_tree_takes_most_probable_paths():
+    probs = [torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.9, 0.05]), torch.tensor([0.5, 0.4])]
+    ids = [torch.tensor([1, 2, 3]), torch.tensor([4, 5]), torch.tensor([6, 7])]
+    tokens, parents, node_p, path_p, depths = best_first_tree(probs, ids, max_nodes=5)
+    assert path_p == sorted(path_p, reverse=True)
+    assert all(p < i for i, p in enumerate(parents))
+    # every path the tree could hold, ranked: the kept five are the five most probable
+    everything = sorted([a * b * c for a in probs[0].tolist() for b in [1] for c in [1]] +
+                        [a * b for a in probs[0].tolist() for b in probs[1].tolist()] +
+                        [a * b * c for a in probs[0].tolist() for b in probs[1].tolist() for c in probs[2].tolist()],
+                        reverse=True)
+    assert path_p == pytest.approx(everything[:5])
+    assert tokens[:3] == [1, 4, 2] and depths[:3] == [1, 2, 1]  # 0.6, 0.54, 0.3
+
+
+def test_training_smoke_on_tiny(tmp_path):
+    """A few steps of data generation and training on a tiny model; the saved heads load and decode
+    token-identically to HF greedy."""
+    from mtpflow.train_heads import compose, run
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the quick brown fox", "def add(a, b):"]))
+    loaded = tiny_loaded(seed=0)
+    cfg = compose([f"out={tmp_path / 'heads'}", f"data.folder={tmp_path / 'data'}", f"data.prompts={prompts}",
+                   "data.samples=4", "data.batch_size=2", "data.max_new_tokens=12", "chat=false",
+                   "draft_vocab=64", "medusa.num_heads=2", "medusa.steps=3", "eagle.steps=3", "eagle.window=8",
+                   "eagle.sequence_length=8", "eagle.intermediate_size=32", "eagle.batch_sequences=2"])
+    out = run(cfg, loaded=loaded)
+    assert len(list((tmp_path / "data").glob("shard_*.pt"))) == 2  # resumable shards on disk
+    for kind in ("medusa", "eagle"):
+        config = json.loads((out / kind / "heads.json").read_text())
+        assert config["kind"] == kind and config["draft_vocab_size"] == 64
+        ids = [5, 6, 7, 8]
+        pipe = make_pipeline(loaded, kind, "max_new_tokens=16", f"model.heads={out}")
+        assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 16)
