@@ -11,6 +11,7 @@ import torch
 
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
+from mtpflow.kernels import pfs_prune
 from mtpflow.types import DecodeState, Draft
 
 
@@ -65,13 +66,10 @@ class PFSPruner:
 
     @hookimpl
     def prune(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        pfs = path_scores(draft)
         self.last_threshold = self.step_threshold(root_entropy(draft))
-        keep = pfs >= self.last_threshold
-        if int(keep.sum()) > self.max_nodes:
-            # ties broken by node order, so a parent (never less feasible) wins over its children
-            order = sorted(range(draft.num_nodes), key=lambda i: (-float(pfs[i]), i))
-            budget = torch.zeros_like(keep)
-            budget[order[: self.max_nodes]] = True
-            keep &= budget
-        return keep
+        # threshold + budget in one pass (Triton on CUDA, torch elsewhere); ties broken by node order, so a
+        # parent (never less feasible) wins over its children. Path scores the proposer set are used as given.
+        if "pfs" in draft.scores or draft.probs is None:
+            return pfs_prune(path_scores(draft), torch.full((draft.num_nodes,), -1), self.last_threshold,
+                             self.max_nodes)[1]
+        return pfs_prune(draft.probs, draft.parents, self.last_threshold, self.max_nodes)[1]

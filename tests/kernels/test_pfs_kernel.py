@@ -7,7 +7,7 @@ import random
 import torch
 from kernel_cases import DEVICE, random_parents
 
-from mtpflow.kernels import pfs_prune, pfs_prune_reference, pfs_tree, pfs_tree_reference
+from mtpflow.kernels import pfs_prune, pfs_prune_reference, pfs_tree, pfs_tree_reference, use_backend
 
 
 def test_prune_kernel_matches_reference():
@@ -62,3 +62,24 @@ def test_fused_topk_tree_kernel_matches_reference():
         assert torch.equal(got_tokens, tokens), case
         torch.testing.assert_close(got_pfs, pfs, rtol=1e-5, atol=1e-7)
         assert torch.equal(got_keep, keep), case
+
+
+def test_pfs_pruner_keeps_what_its_threshold_and_budget_rule_keeps():
+    """PFSPruner now prunes through pfs_prune; with either backend it keeps what its rule says: PFS over the
+    threshold, at most max_nodes of them, best first, ties to the lower node index."""
+    from mtpflow.strategies.pfs import PFSPruner, path_scores
+    from mtpflow.types import Draft
+
+    rng, g = random.Random(4), torch.Generator().manual_seed(4)
+    for case in range(8):
+        n = rng.randint(1, 30)
+        parents = torch.tensor(random_parents(rng, n), dtype=torch.long)
+        draft = Draft(torch.arange(n), parents, probs=torch.rand(n, generator=g))
+        threshold, max_nodes = rng.choice([0.01, 0.1, 0.4]), rng.choice([0, 3, 16])
+        pfs = path_scores(draft)
+        order = sorted(range(n), key=lambda i: (-float(pfs[i]), i))[:max_nodes]
+        expected = [bool(pfs[i] >= threshold) and i in order for i in range(n)]
+        pruner = PFSPruner(threshold=threshold, adapt=0.0, max_nodes=max_nodes)
+        for backend in ("torch", "triton"):
+            with use_backend(backend):
+                assert pruner.prune(None, draft).tolist() == expected, (case, backend)
