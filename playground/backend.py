@@ -1,0 +1,277 @@
+"""The playground's model-side work: validate the page's knobs, build one ``Pipeline`` per strategy on the
+one shared model, and run the two decodes of a comparison one after the other while streaming snapshots.
+
+One process holds one model and runs at most one decode at a time (a lock, on top of the Gradio queue's
+concurrency limit), so two users never share a KV cache or the CPU mid-step.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+from mtpflow.api import Pipeline
+from mtpflow.config import available_strategies, compose
+from mtpflow.errors import ConfigError, UserError
+from mtpflow.model import load_model
+from mtpflow.runplugins import default_run_plugins
+
+from mtpflow.playground.views import IncrementalDetokenizer, SideView, step_tokens, step_view
+
+# Keys a page visitor may override: strategy parameters and sampling knobs. Never ``_target_`` (arbitrary
+# code), model paths or prompt files (server files), or interpolations (environment variables).
+_OVERRIDE_KEY = re.compile(r"^(strategy(\.[A-Za-z0-9][A-Za-z0-9_]*)+|top_k|top_p|seed|stop|chat|system_prompt)$")
+_FORBIDDEN_LEAVES = ("model", "path", "file", "dir")
+FALLBACK_EXAMPLES = (
+    {"id": "summarize", "class": "summarize/extract",
+     "prompt": "Summarize in one sentence: The meeting moved from Tuesday to Thursday at 3 pm because the client "
+               "asked for more time to review the proposal. Please update your calendars."},
+    {"id": "code", "class": "code", "prompt": "Write a Python function that returns the n-th Fibonacci number."},
+    {"id": "chat", "class": "open chat", "prompt": "Give me three tips for staying focused while working."},
+)
+
+
+def example_prompts(limit_per_class: int = 2) -> list[dict]:
+    """A few prompts per class from the benchmark suite (``mtpflow/data/bench_prompts.jsonl``), or built-ins."""
+    rows: list[dict] = []
+    for read in (lambda: resources.files("mtpflow.data").joinpath("bench_prompts.jsonl").read_text("utf-8"),
+                 lambda: (Path(__file__).resolve().parent.parent / "mtpflow" / "data" / "bench_prompts.jsonl")
+                 .read_text("utf-8")):
+        try:
+            rows = [json.loads(line) for line in read().splitlines() if line.strip()]
+            break
+        except (OSError, ModuleNotFoundError, ValueError):
+            continue
+    rows = [r for r in rows if isinstance(r, dict) and str(r.get("prompt", "")).strip()]
+    if not rows:
+        return list(FALLBACK_EXAMPLES)
+    seen: dict[str, int] = {}
+    kept = []
+    for r in rows:
+        cls = str(r.get("class", ""))
+        seen[cls] = seen.get(cls, 0) + 1
+        if seen[cls] <= limit_per_class:
+            kept.append(r)
+    return kept
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The common knobs of both sides, checked before anything runs."""
+
+    max_new_tokens: int
+    temperature: float | None  # None keeps each strategy's own temperature
+    k: int | None  # None keeps each strategy's own K
+    seed: int = 0
+
+    @staticmethod
+    def parse(max_new_tokens, temperature, k, seed=0, max_tokens_cap: int = 1024) -> "Knobs":
+        mnt = _number("max new tokens", max_new_tokens)
+        if mnt is None or not float(mnt).is_integer() or not 1 <= mnt <= max_tokens_cap:
+            raise ConfigError(f"max new tokens must be an integer in [1, {max_tokens_cap}], got {max_new_tokens!r}")
+        temp = _number("temperature", temperature)
+        if temp is not None and not 0 <= temp <= 5:
+            raise ConfigError(f"temperature must be blank (the strategy's own) or in [0, 5], got {temperature!r}")
+        kk = _number("K", k)
+        if kk is not None and (not float(kk).is_integer() or not 0 <= kk <= 64):
+            raise ConfigError(f"K must be blank (the strategy's own K) or an integer in [0, 64], got {k!r}")
+        sd = _number("seed", seed)
+        if sd is None or not float(sd).is_integer():
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        return Knobs(int(mnt), None if temp is None else float(temp), None if kk is None else int(kk), int(sd))
+
+    def overrides(self) -> list[str]:
+        out = [f"max_new_tokens={self.max_new_tokens}", f"seed={self.seed}"]
+        if self.temperature is not None:
+            out.append(f"temperature={self.temperature}")
+        if self.k is not None:
+            out.append(f"k={self.k}")
+        return out
+
+
+def _number(name: str, value) -> float | None:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, got {value!r}")
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if v != v or v in (float("inf"), float("-inf")):
+        raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    return v
+
+
+def parse_overrides(text: str | None) -> list[str]:
+    """``key=value`` pairs (spaces or newlines between them) that a visitor may set; ConfigError otherwise."""
+    out = []
+    for item in (text or "").split():
+        key, sep, value = item.partition("=")
+        key = key.lstrip("+")
+        leaf = key.rsplit(".", 1)[-1]
+        if not sep or not _OVERRIDE_KEY.match(key) or any(leaf.endswith(w) for w in _FORBIDDEN_LEAVES):
+            raise ConfigError(f"override {item!r} is not allowed here (use strategy.<stage>.<param>=value, "
+                              "top_k, top_p, seed, stop, chat or system_prompt)")
+        if "${" in value:
+            raise ConfigError(f"override {item!r}: interpolations are not allowed here")
+        out.append(f"{key}={value}")
+    return out
+
+
+def tunable_parameters(strategy: str) -> str:
+    """The strategy's scalar stage parameters as editable ``key=value`` lines (thresholds, n-gram sizes, ...)."""
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    cfg = compose([f"strategy={strategy}"]).strategy
+    lines = []
+
+    def walk(node, path):
+        if isinstance(node, DictConfig):
+            for key in node:
+                if not str(key).startswith("_"):
+                    walk(node[key], f"{path}.{key}")
+        elif isinstance(node, ListConfig):
+            for i, item in enumerate(node):
+                walk(item, f"{path}.{i}")
+        elif isinstance(node, (int, float)) and not isinstance(node, bool):
+            leaf = path.rsplit(".", 1)[-1]
+            if not any(leaf.endswith(w) for w in _FORBIDDEN_LEAVES):
+                lines.append(f"{path}={node}")
+
+    for stage in ("select_k", "propose", "prune", "gate", "dedup", "rescore", "window"):
+        node = cfg.get(stage)
+        if node is not None:
+            walk(node, f"strategy.{stage}")
+    return "\n".join(lines)
+
+
+def strategy_description(strategy: str) -> str:
+    try:
+        cfg = compose([f"strategy={strategy}"]).strategy
+    except UserError as exc:
+        return str(exc)
+    lossless = "lossless" if cfg.get("lossless") else "lossy"
+    return f"{cfg.get('description', '')} ({lossless})"
+
+
+class DecodeCancelled(Exception):
+    """The visitor left; stop the decode at the next step."""
+
+
+class PlaygroundBackend:
+    """Holds the one model of this process and runs comparisons on it."""
+
+    def __init__(self, base_overrides: tuple[str, ...] = (), loaded=None, max_tokens_cap: int = 1024):
+        self.base_overrides = tuple(base_overrides)
+        self.max_tokens_cap = max_tokens_cap
+        base = compose(list(self.base_overrides))
+        m = base.model
+        self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+        self.defaults = base
+        self._decode_lock = threading.Lock()
+        self._cache_lock = threading.Lock()
+        self._configs: dict[tuple[str, ...], object] = {}
+        # Run plugins (the trace recorder and its open database) depend on the run-level config only, which
+        # visitors cannot override: build them once, not once per request.
+        self.run_plugins = default_run_plugins(base)
+
+    def trace_store(self):
+        """The trace database the run plugins record into, or None when tracing is off."""
+        for factory in self.run_plugins:
+            store = getattr(factory, "store", None)
+            if store is not None:
+                return store
+        return None
+
+    def _compose(self, overrides: tuple[str, ...]):
+        """Hydra's compose costs ~0.1-0.3 s; a page asks for the same few configs again and again."""
+        with self._cache_lock:
+            cfg = self._configs.get(overrides)
+        if cfg is None:
+            cfg = compose(list(overrides))
+            with self._cache_lock:
+                if len(self._configs) > 256:
+                    self._configs.clear()
+                self._configs[overrides] = cfg
+        return copy.deepcopy(cfg)  # a pipeline may adjust its config; the cached one stays as composed
+
+    def strategies(self) -> list[str]:
+        return available_strategies()
+
+    def build(self, strategy: str, knobs: Knobs, extra: list[str]) -> Pipeline:
+        """A pipeline on the shared model; UserError for an unknown strategy or a bad value."""
+        if strategy not in self.strategies():
+            raise UserError(f"unknown strategy {strategy!r}")
+        cfg = self._compose((f"strategy={strategy}", *self.base_overrides, *knobs.overrides(), *extra))
+        return Pipeline(cfg, run_plugins=self.run_plugins, loaded=self.loaded)
+
+    def warm_up(self) -> float:
+        """One short decode so the first visitor's timings are not paying for lazy initialisation."""
+        t0 = time.perf_counter()
+        pipe = self.build("baseline", Knobs(2, 0.0, None), [])
+        with self._decode_lock:
+            pipe("hi")
+        return time.perf_counter() - t0
+
+    def run_side(self, pipe: Pipeline, prompt: str, side: SideView, t_request: float,
+                 cancel: threading.Event, min_interval: float = 0.1) -> Iterator[SideView]:
+        """Decode on a worker thread, yielding ``side`` as tokens arrive (at most every ``min_interval`` s)."""
+        updates: queue.Queue = queue.Queue()
+        detok = IncrementalDetokenizer(pipe.tokenizer)
+        tokenizer = pipe.tokenizer
+
+        def on_step(record, emitted):
+            if cancel.is_set():
+                raise DecodeCancelled()
+            tokens = step_tokens(record, list(emitted), detok)
+            view = step_view(record, tokenizer) if record is not None else None
+            updates.put((tokens, view, time.perf_counter()))
+
+        def work():
+            try:
+                with self._decode_lock:
+                    result = pipe(prompt, on_step=on_step)
+                updates.put(("done", result))
+            except UserError as exc:
+                updates.put(("error", str(exc)))
+            except DecodeCancelled:
+                updates.put(("error", "cancelled"))
+            except Exception as exc:  # a failing strategy must not take the page down: show it in its pane
+                updates.put(("error", f"{type(exc).__name__}: {exc}"))
+
+        threading.Thread(target=work, name=f"decode-{side.strategy}", daemon=True).start()
+        last_yield, dirty = 0.0, False
+        while True:
+            try:
+                item = updates.get(timeout=min_interval)
+            except queue.Empty:
+                item = None
+            if item is not None and item[0] == "done":
+                result = item[1]
+                side.stats, side.text, side.run_id, side.done = result.stats, result.text, result.run_id, True
+                yield side
+                return
+            if item is not None and item[0] == "error":
+                side.error, side.done = item[1], True
+                yield side
+                return
+            if item is not None:
+                tokens, view, t_arrived = item
+                if side.first_token_seconds is None and tokens:
+                    side.first_token_seconds = t_arrived - t_request
+                side.tokens.extend(tokens)
+                if view is not None:
+                    side.steps.append(view)
+                dirty = True
+            now = time.perf_counter()
+            if dirty and now - last_yield >= min_interval:
+                last_yield, dirty = now, False
+                yield side
