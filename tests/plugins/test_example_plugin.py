@@ -45,7 +45,8 @@ def test_listed_with_its_hooks_and_strategy():
     assert example["status"] == "loaded" and example["distribution"] == "mtpflow-plugin-example 0.1.0"
     assert example["hooks"] == ["mtpflow_strategy_dirs"] and example["strategies"] == ["suffix"]
     assert example["stage_classes"] == {
-        "mtpflow_plugin_example.suffix.SuffixProposer": ["on_run_end", "on_run_start", "propose"]}
+        "mtpflow_plugin_example.suffix.SuffixProposer": ["on_run_end", "on_run_start", "on_step_end", "propose",
+                                                         "run_stats"]}
     assert "suffix" not in info["builtin"]["strategies"]
 
 
@@ -72,6 +73,8 @@ def test_suffix_strategy_is_lossless_and_learns_from_earlier_outputs(default_loa
     drafted = [s for s in again.steps if s.draft.source == "suffix" and s.draft.num_nodes]
     assert drafted and all("propose" in s.stage_seconds for s in drafted)
     assert again.stats["accepted_tokens"] >= 0.8 * len(expected)  # the earlier answer is drafted back
+    assert again.stats["suffix_drafts"] == len(drafted)  # the plugin's run_stats hook reached the stats
+    assert again.stats["suffix_accepted_tokens"] == again.stats["accepted_tokens"]
     assert again.stats["mal"] > 2 * first.stats["mal"]
     suffix.HISTORIES.clear()
 

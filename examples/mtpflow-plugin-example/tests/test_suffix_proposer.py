@@ -126,3 +126,6 @@ def test_lossless_and_a_repeated_request_is_drafted_from_history():
     assert results[2].stats["suffix_history_outputs"] == 2
     assert results[2].stats["mal"] > 3 * max(results[0].stats["mal"], 1.0)
     assert {s.draft.source for s in results[2].steps} == {"suffix"}
+    stats = results[2].stats  # the proposer's own counts, through the run_stats hook
+    assert stats["suffix_drafts"] == sum(1 for s in results[2].steps if s.draft.num_nodes)
+    assert stats["suffix_accepted_tokens"] == stats["accepted_tokens"] > 0

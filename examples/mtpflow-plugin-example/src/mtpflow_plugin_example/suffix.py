@@ -10,7 +10,7 @@ import math
 import torch
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
-from mtpflow.types import DecodeResult, DecodeState, Draft
+from mtpflow.types import DecodeResult, DecodeState, Draft, StepRecord
 
 from mtpflow_plugin_example.suffix_index import HistoryRegistry, Match, SuffixIndex, continuation_tree
 
@@ -47,6 +47,7 @@ class SuffixProposer:
         self._live: SuffixIndex | None = None  # this request: prompt + output so far
         self._live_id = 0
         self._prompt_tail: list[int] = []
+        self._counts = {"suffix_drafts": 0, "suffix_draft_tokens": 0, "suffix_accepted_tokens": 0}
 
     @hookimpl
     def on_run_start(self, context) -> dict:
@@ -90,6 +91,18 @@ class SuffixProposer:
             source=SOURCE,
             scores={"pfs": torch.tensor(tree.path_probs, dtype=torch.float32)},
         )
+
+    @hookimpl
+    def on_step_end(self, record: StepRecord) -> None:
+        if record.draft.source == SOURCE and record.draft.num_nodes:
+            self._counts["suffix_drafts"] += 1
+            self._counts["suffix_draft_tokens"] += record.draft.num_nodes
+            self._counts["suffix_accepted_tokens"] += record.decision.num_accepted
+
+    @hookimpl
+    def run_stats(self) -> dict:
+        """Steps that verified a suffix draft, their draft nodes and accepted tokens, for the run's stats."""
+        return dict(self._counts)
 
     @hookimpl
     def on_run_end(self, result: DecodeResult, status: str) -> None:
