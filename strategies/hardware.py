@@ -8,6 +8,7 @@ small K, or 0, unless drafts are accepted often; the CPU default is therefore ``
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -65,9 +66,11 @@ def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> di
     drafts = {k: Draft.chain(torch.randint(0, vocab, (k,), generator=g)) for k in ks}
     cuda = target.device.type == "cuda"
     times: dict[int, list[float]] = {k: [] for k in ks}
+    prefix_cache, start = copy.deepcopy(target.cache), target.cache_len
     for i in tqdm(range(repeats + 1), desc="measuring verify cost", unit="round", leave=False):
         for k in ks:
-            start = target.cache_len
+            # a fresh copy of the prefix cache each time: no rollback logic that differs across versions
+            target.cache, target.cache_len = copy.deepcopy(prefix_cache), start
             if cuda:
                 torch.cuda.synchronize(target.device)
             t0 = time.perf_counter()
@@ -75,9 +78,6 @@ def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> di
             if cuda:
                 torch.cuda.synchronize(target.device)
             seconds = time.perf_counter() - t0
-            target.commit(start, drafts[k].num_nodes, torch.zeros(0, dtype=torch.long))
-            target.cache.crop(-1)  # drop the root too: the cache is back to the prefix
-            target.cache_len = start
             if i:  # the first round warms up kernels and allocators
                 times[k].append(seconds)
     return {k: statistics.median(v) for k, v in times.items()}
