@@ -45,8 +45,8 @@ class CompositeConfidenceGate:
     re-scorer. Lossy: the run records the error propagation rate.
     """
 
-    def __init__(self, threshold: float = 0.82, local_weight: float = 0.6, global_weight: float = 0.2,
-                 semantic_weight: float = 0.2, ngram_table: str | None = "default", semantic_context: int = 64,
+    def __init__(self, threshold: float = 0.82, local_weight: float = 0.8, global_weight: float = 0.1,
+                 semantic_weight: float = 0.1, ngram_table: str | None = "default", semantic_context: int = 64,
                  local_confidence: str = "relative"):
         if local_confidence not in LOCAL_MODES:
             raise ConfigError(f"strategy.gate.local_confidence must be one of {', '.join(LOCAL_MODES)}, "

@@ -133,3 +133,14 @@ def test_lossy_stats_are_right(tiny, tiny_table):
         if r.draft.num_nodes:
             assert r.decision.gate_scores.shape == (r.draft.num_nodes,)
             assert (r.decision.gate_scores[r.decision.accepted] >= 0.3).all()
+
+
+@pytest.mark.default_model
+def test_composite_gate_on_the_default_model(default_loaded):
+    pipe = make_pipeline(default_loaded, "composite_gate", "max_new_tokens=32", "trace=off")
+    result = pipe("Continue this list exactly: red, green, blue, red, green, blue, red, green,")
+    steps = result.steps
+    differ = sum(e != t for r in steps for e, t in zip(r.emitted, r.target_tokens))
+    assert result.stats["mtp_error_propagation_rate"] == pytest.approx(differ / result.stats["new_tokens"], abs=1e-4)
+    assert result.stats["accepted_tokens"] > 0
+    assert all(r.decision.gate_scores is not None for r in steps if r.draft.num_nodes)

@@ -7,6 +7,7 @@ import torch
 
 from conftest import hf_greedy, make_pipeline
 from mtpflow.errors import ConfigError
+from mtpflow.hookspecs import hookimpl
 from mtpflow.strategies.rescore import TargetRescorer
 from mtpflow.types import RECOVERED, Decision, DecodeState, Draft, SamplingParams, Verification
 
@@ -67,14 +68,48 @@ def test_validation():
         TargetRescorer(min_prob=1.5)
 
 
-def test_counts_in_stats_and_lossless_behind_greedy_dedup(tiny):
+class OracleProposer:
+    """Drafts the reference greedy continuation, so the greedy gate accepts long paths."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+    @hookimpl
+    def propose(self, state, k):
+        g = state.num_generated
+        return Draft.chain(self.ref[g:g + k], source="oracle")
+
+
+class CutAfterFirst:
+    """A dedup filter that refuses everything after the first accepted token."""
+
+    @hookimpl
+    def dedup(self, state, draft, decision):
+        keep = torch.zeros(decision.num_accepted, dtype=torch.bool)
+        keep[0] = True
+        return keep
+
+
+def test_counts_in_stats_and_lossless_behind_greedy_cuts(tiny):
     """Dedup cuts leave next_token to the re-scorer; output stays HF greedy and the counts match the steps."""
     ids = [5] + [7, 8] * 10 + [9] * 8
-    pipe = make_pipeline(tiny, "pld", "max_new_tokens=40", "strategy.propose.min_ngram=1", RESCORE, "trace=off",
-                         "strategy.dedup=[{_target_: mtpflow.strategies.dedup.NgramDedup, min_repeats: [2, 2]}]")
-    result = pipe(prompt_ids=ids)
-    assert result.token_ids == hf_greedy(tiny.model, ids, 40)
+    ref = hf_greedy(tiny.model, ids, 40)
+    pipe = make_pipeline(tiny, "pld", "max_new_tokens=40", "k=4", RESCORE, "trace=off")
+    result = pipe(prompt_ids=ids, extra_plugins=(OracleProposer(ref), CutAfterFirst()))
+    assert result.token_ids == ref
     recovered = sum(1 for r in result.steps if r.decision.decided_by == "rescore" and r.draft.num_nodes
                     and r.decision.next_kind == RECOVERED and len(r.emitted) == r.decision.num_accepted + 1)
-    assert recovered > 0 and result.stats["rescore_recovered_tokens"] == recovered
+    assert recovered > 5 and result.stats["rescore_recovered_tokens"] == recovered
     assert result.stats["rescore_recovery_rate"] == pytest.approx(recovered / (result.stats["new_tokens"] - 1), abs=1e-4)
+    assert result.stats["rescore_correction_rate"] == 0.0  # the cut tokens were the target's own
+
+
+@pytest.mark.default_model
+def test_domain_aware_is_lossless_on_the_default_model(default_loaded):
+    """The headline strategy (classifier K, prompt lookup, dedup, re-scorer, KV window) emits HF greedy's tokens."""
+    pipe = make_pipeline(default_loaded, "domain_aware", "max_new_tokens=40", "trace=off")
+    prompt = "Continue this list exactly: data, data, data, data, data, data, data, data,"
+    result = pipe(prompt)
+    assert result.token_ids == hf_greedy(default_loaded.model, pipe.encode(prompt), 40)
+    assert result.stats["domain"] and result.stats["domain_k"] >= 1
+    assert "rescore_recovered_tokens" in result.stats
