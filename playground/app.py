@@ -41,6 +41,16 @@ def _speedup(a: SideView | None, b: SideView | None) -> float | None:
     return None
 
 
+def strategy_info(name: str) -> str:
+    """The strategy's description and its tunable parameters (thresholds, n-gram sizes, ...) with defaults."""
+    try:
+        params = tunable_parameters(name)
+    except UserError as exc:
+        return str(exc)
+    listing = f"\n```\n{params}\n```" if params else ""
+    return f"**{html.escape(name)}**: {html.escape(strategy_description(name))}{listing}"
+
+
 class ComparisonHandler:
     """The button's generator: validate, build both pipelines, decode A then B, yield page updates."""
 
@@ -132,13 +142,13 @@ def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
             with gr.Accordion("Strategy parameters (thresholds, n-gram sizes, …)", open=False):
                 with gr.Row():
                     with gr.Column():
-                        info_a = gr.Markdown(strategy_description(default_a))
-                        params_a = gr.Textbox(tunable_parameters(default_a), lines=4, label="A parameters",
-                                              info="key=value, one per line")
+                        info_a = gr.Markdown(strategy_info(default_a))
+                        params_a = gr.Textbox("", lines=3, label="A overrides",
+                                              info="key=value lines, e.g. one of the parameters above")
                     with gr.Column():
-                        info_b = gr.Markdown(strategy_description(default_b))
-                        params_b = gr.Textbox(tunable_parameters(default_b), lines=4, label="B parameters",
-                                              info="key=value, one per line")
+                        info_b = gr.Markdown(strategy_info(default_b))
+                        params_b = gr.Textbox("", lines=3, label="B overrides",
+                                              info="key=value lines, e.g. one of the parameters above")
             with gr.Row():
                 run = gr.Button("Compare", variant="primary", elem_id="compare-button")
                 stop = gr.Button("Stop", variant="stop")
@@ -183,10 +193,8 @@ def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
             example.change(pick_example, example, prompt, api_visibility="private")
 
             def on_strategy(name):
-                try:
-                    return strategy_description(name), tunable_parameters(name)
-                except UserError as exc:
-                    return str(exc), ""
+                # the overrides box is emptied: overrides typed for the previous strategy rarely fit the new one
+                return strategy_info(name), ""
 
             strategy_a.change(on_strategy, strategy_a, [info_a, params_a], api_visibility="private")
             strategy_b.change(on_strategy, strategy_b, [info_b, params_b], api_visibility="private")
