@@ -23,7 +23,7 @@ from mtpflow.errors import ConfigError, UserError
 from mtpflow.model import load_model
 from mtpflow.runplugins import default_run_plugins
 
-from mtpflow.playground.views import IncrementalDetokenizer, SideView, step_tokens, step_view
+from mtpflow.playground.views import IncrementalDetokenizer, SideView, finish_tokens, step_tokens, step_view
 
 # Keys a page visitor may override: strategy parameters and sampling knobs. Never ``_target_`` (arbitrary
 # code), model paths or prompt files (server files), or interpolations (environment variables).
@@ -256,6 +256,7 @@ class PlaygroundBackend:
                 item = None
             if item is not None and item[0] == "done":
                 result = item[1]
+                finish_tokens(side.tokens, detok)
                 side.stats, side.text, side.run_id, side.done = result.stats, result.text, result.run_id, True
                 yield side
                 return

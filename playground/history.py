@@ -13,7 +13,9 @@ import gradio as gr
 from mtpflow.types import ACCEPTED
 
 from mtpflow.playground import render
-from mtpflow.playground.views import IncrementalDetokenizer, RejectedDraft, SideView, StepView, TokenView
+from mtpflow.playground.views import (
+    IncrementalDetokenizer, RejectedDraft, SideView, StepView, TokenView, finish_tokens,
+)
 
 RUN_HEADERS = ["run", "started (UTC)", "status", "strategy", "tokens", "MAL", "tokens/s", "prompt"]
 EMITTED_KINDS = ("accepted", "recovered", "bonus", "plain")
@@ -54,6 +56,8 @@ def side_from_trace(store, run_id: int, tokenizer=None, model_id: str | None = N
         side.tokens.append(TokenView(
             token_id=e["token_id"], text=text, kind=e["status"], step=e["step"], depth=e["depth"],
             draft_prob=e["draft_prob"], target_prob=e["target_prob"], pfs=e["pfs"], gate_score=e["gate_score"]))
+    if detok:
+        finish_tokens(side.tokens, detok)
     rejected: dict[int, list[RejectedDraft]] = {}
     max_depth: dict[int, int] = {}
     for e in events:

@@ -6,7 +6,7 @@ its scores; a ``StepView`` is one verify step with the draft tokens the gate ref
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from mtpflow.types import ACCEPTED, PLAIN, StepRecord
 
@@ -85,6 +85,21 @@ class IncrementalDetokenizer:
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         return full[len(prefix):]
+
+    def flush(self) -> str:
+        """What is still held back at the end (bytes that never formed a character)."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=True)
+        full = decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+def finish_tokens(tokens: list[TokenView], detok: IncrementalDetokenizer) -> None:
+    """Give the held-back tail of the text to the last token, so the tokens spell the whole output."""
+    rest = detok.flush()
+    if rest and tokens:
+        tokens[-1] = replace(tokens[-1], text=tokens[-1].text + rest)
 
 
 def _item(values, index: int) -> float | None:

@@ -10,7 +10,7 @@ from mtpflow.types import ACCEPTED, BONUS, PLAIN, RECOVERED
 from mtpflow.playground import history, render
 from mtpflow.playground.backend import Knobs, PlaygroundBackend, example_prompts, parse_overrides, tunable_parameters
 from mtpflow.playground.views import (
-    IncrementalDetokenizer, SideView, StepView, acceptance_by_position, step_tokens, step_view,
+    IncrementalDetokenizer, SideView, StepView, acceptance_by_position, finish_tokens, step_tokens, step_view,
 )
 
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
@@ -30,6 +30,7 @@ def live_side(loaded, tmp_path, strategy: str = "draft_model", extra=DRAFTS_SOME
             side.steps.append(step_view(record, loaded.tokenizer))
 
     result = pipe(PROMPT, on_step=on_step)
+    finish_tokens(side.tokens, detok)
     side.stats, side.text, side.run_id, side.done = result.stats, result.text, result.run_id, True
     return side, result, backend
 
