@@ -1,5 +1,5 @@
-"""Shared fixtures: tiny randomly initialised Llama models with a tiny byte-level tokenizer (fast), and the
-embedded default model (marked ``default_model``)."""
+"""Shared fixtures: a tiny random Llama (fast) and the embedded default model (marked ``default_model``);
+the helpers behind them live in ``tests/helpers.py``."""
 from __future__ import annotations
 
 import os
@@ -10,48 +10,7 @@ import torch
 os.environ.setdefault("MTPFLOW_LOAD_PLUGINS", "")  # tests load no third-party plugin unless they ask
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
-TINY_CORPUS = [
-    "the quick brown fox jumps over the lazy dog",
-    "def add(a, b):\n    return a + b\n",
-    "Summarize the following text in one sentence.",
-    "speculative decoding drafts tokens and verifies them in one forward pass",
-] * 4
-
-
-def make_tiny_tokenizer(vocab_size: int = 320):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE(unk_token=None))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(TINY_CORPUS, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-
-
-def make_tiny_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int = 64, init: float = 0.2):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, initializer_range=init,
-        eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = 0
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-def tiny_loaded(seed: int = 0, **kwargs):
-    from mtpflow.model import LoadedModel
-
-    tok = make_tiny_tokenizer()
-    model = make_tiny_model(len(tok), seed=seed, **kwargs)
-    return LoadedModel(model, tok, f"tiny-llama-{seed}", torch.device("cpu"), torch.float32, 1024, (0,))
+from helpers import tiny_loaded  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -66,18 +25,3 @@ def default_loaded():
     from mtpflow.model import load_model
 
     return load_model("smollm2")
-
-
-def hf_greedy(model, prompt_ids, max_new_tokens: int) -> list[int]:
-    """Reference: plain HF generate, greedy."""
-    ids = torch.as_tensor(prompt_ids, dtype=torch.long)[None]
-    with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=max_new_tokens, pad_token_id=0)
-    return out[0, ids.shape[1]:].tolist()
-
-
-def make_pipeline(loaded, strategy: str, *overrides: str, **kwargs):
-    import mtpflow.api as api
-
-    return api.pipeline(strategy, list(overrides), loaded=loaded, **kwargs)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 
 pytestmark = pytest.mark.default_model
 

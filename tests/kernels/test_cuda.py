@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.fixture(scope="module")
 def tiny_cuda():
-    from conftest import tiny_loaded
+    from helpers import tiny_loaded
 
     from mtpflow.kernels.hf_attention import register
     from mtpflow.model import LoadedModel
@@ -47,7 +47,7 @@ def test_tree_and_chain_logits_match_sdpa_on_cuda(tiny_cuda):
 
 @pytest.mark.parametrize("attn", ["sdpa", "mtpflow"])
 def test_decode_tokens_identical_on_cuda(tiny_cuda, attn):
-    from conftest import make_pipeline
+    from helpers import make_pipeline
 
     tiny_cuda.model.set_attn_implementation(attn)
     ids = [5, 9, 12, 40, 5, 9, 12, 7, 5, 9] * 3

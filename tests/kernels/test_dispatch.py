@@ -47,7 +47,7 @@ def test_default_setter_validates():
 
 
 def test_config_key_is_validated(tiny):
-    from conftest import make_pipeline
+    from helpers import make_pipeline
 
     with pytest.raises(UserError, match="kernels must be one of"):
         make_pipeline(tiny, "pld", "kernels=fast")
@@ -75,7 +75,7 @@ class PromptLookupTree:
 
 
 def test_decode_tokens_identical_with_either_backend(tiny):
-    from conftest import hf_greedy, make_pipeline
+    from helpers import hf_greedy, make_pipeline
 
     vocab = len(tiny.tokenizer)
     ids = [5, 9, 12, 40, 5, 9, 12, 7, 5, 9]

@@ -43,7 +43,7 @@ def test_reference_is_masked_softmax_attention():
 def tiny_mtpflow_attention():
     """A one-layer tiny Llama (4 heads over 2 KV heads) using attn_implementation="mtpflow" (one layer keeps
     the interpreter's share of the decode test small)."""
-    from conftest import tiny_loaded
+    from helpers import tiny_loaded
 
     from mtpflow.kernels.hf_attention import register
 
@@ -77,7 +77,7 @@ def test_tree_verify_logits_equal_sdpa(tiny_mtpflow_attention):
 
 
 def test_decode_tokens_equal_with_either_backend(tiny_mtpflow_attention):
-    from conftest import hf_greedy, make_pipeline
+    from helpers import hf_greedy, make_pipeline
 
     ids = [5, 9, 12, 5, 9, 12, 40, 7, 5, 9]
     reference = hf_greedy(tiny_mtpflow_attention.model, ids, 16)  # HF generate through the same attention

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 from fake_dists import GOOD_STRATEGY, STRATEGY_DIRS_HOOK, fake_site, install_fake, stage_module  # noqa: F401
 from mtpflow import cli, thirdparty
 from mtpflow.config import available_strategies, compose

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 from mtpflow import thirdparty
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mtpflow-plugin-example"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_pipeline
+from helpers import make_pipeline
 from mtpflow.config import compose
 from mtpflow.hookspecs import hookimpl
 from mtpflow.runplugins import default_run_plugins

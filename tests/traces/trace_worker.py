@@ -11,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for conftest
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ for helpers
 
 import torch  # noqa: E402
-from conftest import make_pipeline, tiny_loaded  # noqa: E402
+from helpers import make_pipeline, tiny_loaded  # noqa: E402
 
 from mtpflow.config import compose  # noqa: E402
 from mtpflow.hookspecs import hookimpl  # noqa: E402

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import TINY_CORPUS, make_pipeline
+from helpers import TINY_CORPUS, make_pipeline
 from mtpflow.errors import ConfigError, UserError
 from mtpflow.strategies.composite_gate import CompositeConfidenceGate
 from mtpflow.strategies.ngram_stats import BigramTable, tokenizer_fingerprint

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 from mtpflow.errors import ConfigError
 from mtpflow.hookspecs import hookimpl
 from mtpflow.strategies.dedup import NgramDedup, repeated_run_end

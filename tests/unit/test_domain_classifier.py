@@ -13,7 +13,7 @@ import torch
 from mtpflow.domain_prompts import DOMAINS, load_prompts
 from mtpflow.errors import ConfigError
 from mtpflow.strategies.domain import DEFAULT_K_MAP, DomainAwareK, load_classifier, request_text
-from tests.conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 
 CODE_PROMPT = "Why does my Python script raise KeyError when I read the JSON response from the API?"
 HEALTH_PROMPT = "My son has had a fever of 39 C for two days and a rash. Should we see a doctor?"

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from conftest import hf_greedy, make_pipeline, tiny_loaded
+from helpers import hf_greedy, make_pipeline, tiny_loaded
 from mtpflow.errors import ConfigError
 from mtpflow.strategies.mtp_heads import best_first_tree
 from mtpflow.strategies.pfs import PFSPruner, path_scores

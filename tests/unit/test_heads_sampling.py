@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from conftest import make_pipeline, make_tiny_model, make_tiny_tokenizer
+from helpers import make_pipeline, make_tiny_model, make_tiny_tokenizer
 from mtpflow.model import LoadedModel
 from test_heads_lossless import one_thread, random_heads  # noqa: F401 (fixture)
 

@@ -12,7 +12,7 @@ from mtpflow.errors import ConfigError
 from mtpflow.strategies import hardware
 from mtpflow.strategies.hardware import HardwareAwareK, best_k, expected_tokens
 from mtpflow.strategies.length import LengthScheduleK
-from tests.conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 
 CPU_LIKE = {0: 0.065, 1: 0.110, 2: 0.115, 3: 0.118, 4: 0.120, 6: 0.125, 8: 0.130}  # 1 token is a GEMV
 GPU_LIKE = {0: 0.0100, 1: 0.0101, 2: 0.0102, 3: 0.0102, 4: 0.0103, 6: 0.0104, 8: 0.0105}  # memory bound

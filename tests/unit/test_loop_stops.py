@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 
 
 def test_max_new_tokens_is_exact_even_mid_draft(tiny):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
+from helpers import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
 
 LOSSLESS = ["baseline", "pld", "jacobi", "adaptive"]
 

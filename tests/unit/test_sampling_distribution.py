@@ -8,7 +8,7 @@ import pytest
 import torch
 from scipy.stats import chisquare, chi2_contingency
 
-from conftest import make_pipeline, make_tiny_model
+from helpers import make_pipeline, make_tiny_model
 from mtpflow.sampling import target_probs
 from mtpflow.strategies.gates import SpeculativeSamplingGate
 from mtpflow.types import DecodeState, Draft, SamplingParams, Verification
@@ -116,7 +116,7 @@ def test_stochastic_chain_draft_uses_min_p_over_q():
 
 def test_loop_sampling_matches_plain_sampling():
     """End to end on a tiny 8-token model: speculative (sampling strategy) vs plain sampling (baseline)."""
-    from conftest import make_tiny_tokenizer
+    from helpers import make_tiny_tokenizer
     from mtpflow.model import LoadedModel
 
     tok = make_tiny_tokenizer()

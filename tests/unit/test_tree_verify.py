@@ -9,7 +9,7 @@ import random
 
 import torch
 
-from conftest import hf_greedy, make_pipeline
+from helpers import hf_greedy, make_pipeline
 from mtpflow.hookspecs import hookimpl
 from mtpflow.target import tree_attention_mask
 from mtpflow.types import Draft

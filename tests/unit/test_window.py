@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy, make_pipeline, make_tiny_model, make_tiny_tokenizer
+from helpers import hf_greedy, make_pipeline, make_tiny_model, make_tiny_tokenizer
 from mtpflow.errors import ConfigError
 from mtpflow.hookspecs import hookimpl
 from mtpflow.model import LoadedModel
