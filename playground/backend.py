@@ -128,7 +128,7 @@ def parse_overrides(text: str | None) -> list[str]:
 
 def tunable_parameters(strategy: str) -> str:
     """The strategy's scalar stage parameters as editable ``key=value`` lines (thresholds, n-gram sizes, ...)."""
-    from omegaconf import DictConfig, ListConfig, OmegaConf
+    from omegaconf import DictConfig, ListConfig
 
     cfg = compose([f"strategy={strategy}"]).strategy
     lines = []

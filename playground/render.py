@@ -10,7 +10,7 @@ import html
 
 from mtpflow.types import ACCEPTED, BONUS, PLAIN, RECOVERED
 
-from mtpflow.playground.views import SideView, StepView, TokenView, acceptance_by_position
+from mtpflow.playground.views import SideView, TokenView, acceptance_by_position
 
 KIND_LABELS = {
     ACCEPTED: "accepted draft",
@@ -51,7 +51,8 @@ def token_tooltip(t: TokenView) -> str:
 
 def legend_html() -> str:
     items = "".join(f'<span class="tok-{kind}">{label}</span>' for kind, label in KIND_LABELS.items())
-    return f'<div class="mtp-legend">{items}<span class="rej">rejected draft</span> (hover a token for its scores)</div>'
+    return (f'<div class="mtp-legend">{items}<span class="rej">rejected draft</span> '
+            "(hover a token for its scores)</div>")
 
 
 def pane_html(side: SideView | None, show_rejected: bool = True, elem: str = "") -> str:
