@@ -1,0 +1,20 @@
+"""MAL and compression vs the PFS threshold for the medusa and eagle strategies on the default model (docs/heads_sweep.md)."""
+import sys, time, json, torch
+sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent / 'tests'))
+from conftest import make_pipeline
+from mtpflow.model import load_model
+from mtpflow.bench import load_prompt_suite
+L = load_model('smollm2')
+rows = load_prompt_suite(limit=1)
+n = int(sys.argv[1])
+configs = [(k, t) for k in ("medusa", "eagle") for t in (0.0, 0.2, 0.35, 0.5)]
+out = []
+for kind, t in configs:
+    pipe = make_pipeline(L, kind, f"max_new_tokens={n}", f"strategy.prune.0.threshold={t}", "trace=off")
+    stats = [pipe(r["prompt"]).stats for r in rows]
+    steps = sum(s["verify_forwards"] for s in stats); toks = sum(s["new_tokens"] - 1 for s in stats)
+    rec = {"strategy": kind, "threshold": t, "mal": round(toks / steps, 3),
+           "compression_rate": round(sum(s["draft_tokens"] for s in stats) / max(1, sum(s["proposed_tokens"] for s in stats)), 3),
+           "per_class_mal": {r["class"]: s["mal"] for r, s in zip(rows, stats)}}
+    out.append(rec); print(json.dumps(rec), flush=True)
+
