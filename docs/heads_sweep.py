@@ -1,7 +1,7 @@
 """MAL and compression vs the PFS threshold for the medusa and eagle strategies on the default model (docs/heads_sweep.md)."""
 import sys, time, json, torch
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent / 'tests'))
-from conftest import make_pipeline
+from helpers import make_pipeline
 from mtpflow.model import load_model
 from mtpflow.bench import load_prompt_suite
 L = load_model('smollm2')
