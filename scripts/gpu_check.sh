@@ -5,6 +5,7 @@
 #   3. time each kernel against its torch reference,
 #   4. run the decode benchmark on the default model with and without kernels / flash-attn,
 # and write everything to docs/kernels_gpu_results.md (date and device in the header).
+# Needs network (pip) and the default model; on a CUDA machine without network use scripts/gpu_check_offline.sh.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT_DIR:-gpu-check}
