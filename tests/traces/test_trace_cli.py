@@ -121,6 +121,7 @@ def test_exporter_serves_metrics(recorded):
 
 def test_mountable_asgi_app(recorded):
     import asyncio
+    import threading
 
     from mtpflow.traces.metrics import metrics_asgi_app
 
@@ -135,7 +136,10 @@ def test_mountable_asgi_app(recorded):
         sent.append(message)
 
     scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": []}
-    asyncio.run(app(scope, receive, send))
+    # a thread of its own: an in-process Gradio test earlier in the session may leave this thread's loop running
+    worker = threading.Thread(target=lambda: asyncio.run(app(scope, receive, send)))
+    worker.start()
+    worker.join(timeout=60)
     assert sent[0]["status"] == 200 and b"mtp_hit_rate" in sent[1]["body"]
 
 

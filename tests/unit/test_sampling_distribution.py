@@ -124,7 +124,7 @@ def test_loop_sampling_matches_plain_sampling():
     model.generation_config.eos_token_id = None
     loaded = LoadedModel(model, tok, "tiny-8", torch.device("cpu"), torch.float32, 1024, (-1,))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
-    n = 400
+    n = 300
     tables = []
     for strategy in ("baseline", "sampling"):
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=4", "temperature=1.0", "strategy.propose.min_ngram=1"
