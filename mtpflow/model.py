@@ -10,6 +10,7 @@ import functools
 import hashlib
 import importlib.util
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,7 +108,10 @@ def _converted_gguf(gguf_path: Path) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(out) if not out.exists() else None
+    if out.exists():  # another process finished the same conversion first: keep its copy, drop ours
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        tmp.replace(out)
     return out
 
 
