@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import compose, effective_temperature, read_prompt, to_container, validate
 from mtpflow.errors import UserError
+from mtpflow.kernels import cpu_linear
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.loop import DecodeLoop, RunContext
 from mtpflow.model import encode_prompt, load_model
@@ -44,6 +45,8 @@ class Pipeline:
         # ``loaded`` lets tests and the playground hand in a model that is already in memory.
         self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
         self.run_plugins = list(run_plugins)
+        # float32 CPU verify forwards through oneDNN packed linears (see mtpflow.kernels.cpu_linear)
+        self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))
 
     @property
     def strategy_name(self) -> str:
@@ -85,7 +88,8 @@ class Pipeline:
             device=str(self.loaded.device), max_new_tokens=int(cfg.max_new_tokens), sampling=self.sampling(),
             seed=int(cfg.seed), config=to_container(cfg), tokenizer=self.loaded.tokenizer, model=self.loaded.model,
         )
-        with use_backend(cfg.get("kernels") or "auto"):  # scoped to this run's thread
+        # both scoped to this run's thread
+        with use_backend(cfg.get("kernels") or "auto"), cpu_linear.packed(self.packed_linear):
             result = loop.run(context, stop=tuple(cfg.stop or ()), on_step=on_step)
         result.stats.setdefault("strategy", self.strategy_name)
         return result

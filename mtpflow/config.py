@@ -132,6 +132,9 @@ def validate(cfg: DictConfig) -> None:
     from mtpflow.kernels.dispatch import check_backend_usable
 
     check_backend_usable(cfg.get("kernels") or "auto")
+    from mtpflow.kernels.cpu_linear import check_mode
+
+    check_mode(cfg.model.get("cpu_linear", "auto"))
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

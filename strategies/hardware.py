@@ -25,6 +25,7 @@ from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, StepRecord
 
 AUTO = "auto"
+COST_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # the K set whose verify cost is measured (and cached) for cost models
 DEFAULT_DEVICE_K = {"A100": 4, "H100": 6, "H200": 6, "L40S": 2}
 
 
@@ -91,6 +92,72 @@ def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: li
     return cache_dir() / "verify_cost" / f"{digest}.json"
 
 
+def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int = 5,
+                      name: str | None = None) -> tuple[dict[int, float], str]:
+    """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device: measured
+    once per device, model, dtype, linear kind (``mtpflow.kernels.cpu_linear``) and K set, then read from
+    ``~/.cache/mtpflow/verify_cost``. Shared by ``HardwareAwareK`` and the cost-aware prompt lookup."""
+    from mtpflow.kernels import cpu_linear
+
+    model = context.model
+    name = name or device_name(context.device)
+    ks = sorted(set(ks))
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(ks) - 2
+    ctx = max(1, min(cost_context, limit))
+    linear = cpu_linear.state(model)
+    path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}", ctx, ks)
+    if path.exists():
+        try:
+            stored = json.loads(path.read_text())
+            return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache file is measured again
+    costs = measure_verify_costs(model, ks, ctx, repeats)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"device": name, "model": context.model_id, "dtype": str(model.dtype),
+                                   "linear": linear, "context": ctx,
+                                   "seconds": {str(k): v for k, v in costs.items()}}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only means measuring again next run
+    return costs, "measured"
+
+
+class CostCurve:
+    """Relative cost of a verify forward with L draft tokens (1.0 = a plain one-token forward), from measured
+    {K: seconds}: non-decreasing (a running maximum irons out timing noise), linear between measured Ks and
+    extended beyond the largest one with the slope of the last two."""
+
+    def __init__(self, costs: dict[int, float]):
+        ks = sorted(costs)
+        if not ks or ks[0] != 0:
+            raise ConfigError("verify costs must include K=0")
+        base = costs[0]
+        self.ks, self.rel, top = ks, [], 0.0
+        for k in ks:
+            top = max(top, costs[k] / base)
+            self.rel.append(top)
+
+    def __call__(self, length: int) -> float:
+        ks, rel = self.ks, self.rel
+        if length <= ks[0]:
+            return rel[0]
+        for i in range(1, len(ks)):
+            if length <= ks[i]:
+                f = (length - ks[i - 1]) / (ks[i] - ks[i - 1])
+                return rel[i - 1] + f * (rel[i] - rel[i - 1])
+        if len(ks) == 1:
+            return rel[0]
+        slope = (rel[-1] - rel[-2]) / (ks[-1] - ks[-2])
+        return rel[-1] + slope * (length - ks[-1])
+
+    def best_length(self, acceptance: float, longest: int) -> int:
+        """The draft length in 0..longest with the most expected tokens per unit of cost (ties: shorter)."""
+        return max(range(longest + 1), key=lambda n: (expected_tokens(acceptance, n) / self(n), -n))
+
+
 def _check_k_or_auto(name: str, value) -> int | str:
     return AUTO if value == AUTO else check_k(name, value)
 
@@ -106,7 +173,7 @@ class HardwareAwareK:
 
     def __init__(self, k: int | str | None = None, device_k: dict[str, int | str] | None = None,
                  other_gpu_k: int | str = 3, cpu_k: int | str = AUTO, device_name: str | None = None,
-                 auto_ks: list[int] | tuple[int, ...] = (0, 1, 2, 3, 4, 6, 8), acceptance_prior: float = 0.5,
+                 auto_ks: list[int] | tuple[int, ...] = COST_KS, acceptance_prior: float = 0.5,
                  acceptance_memory: float = 0.9, probe_every: int = 8, cost_context: int = 256,
                  cost_repeats: int = 5, costs: dict[int, float] | None = None):
         self.fixed = None if k is None else _check_k_or_auto("strategy.select_k.k", k)
@@ -150,24 +217,8 @@ class HardwareAwareK:
             self._accepted + self._rejected + prior_weight)
 
     def _load_costs(self, context) -> tuple[dict[int, float], str]:
-        model = context.model
-        name = self.device_name_override or device_name(context.device)
-        limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(self.auto_ks) - 2
-        ctx = max(1, min(self.cost_context, limit))
-        path = cost_cache_path(name, context.model_id, str(model.dtype), ctx, self.auto_ks)
-        if path.exists():
-            try:
-                stored = json.loads(path.read_text())
-                return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
-            except (OSError, ValueError, KeyError):
-                pass  # a damaged cache file is measured again
-        costs = measure_verify_costs(model, self.auto_ks, ctx, self.cost_repeats)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"device": name, "model": context.model_id, "dtype": str(model.dtype),
-                                   "context": ctx, "seconds": {str(k): v for k, v in costs.items()}}, indent=1))
-        tmp.replace(path)
-        return costs, "measured"
+        return load_verify_costs(context, self.auto_ks, self.cost_context, self.cost_repeats,
+                                 self.device_name_override)
 
     @hookimpl
     def on_run_start(self, context) -> dict[str, Any]:

@@ -2,11 +2,14 @@
 n tokens, searched over the prompt and the output so far. No weights, no extra forward."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import ngram_continuation
+from mtpflow.strategies.hardware import AUTO, CostCurve, load_verify_costs
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 
@@ -21,16 +24,19 @@ def find_ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: in
 class PromptLookupProposer:
     """n-gram lookup over prompt + output; a chain of up to K tokens, or nothing when no n-gram matches.
 
-    Cost-aware when ``min_expected_accept`` > 0: a verify forward over several tokens costs more than a
-    one-token forward (about 1.9x on a 2-core CPU, about 1.0x on a GPU; ``python -m mtpflow.bench mode=cost``
-    measures it), so a draft only pays when it is expected to gain more than that extra cost. The proposer
-    keeps, per matched n-gram length, a decayed count of accepted tokens and rejections, estimates the
-    per-token acceptance a, and drafts only when a (1 - a^L) / (1 - a) >= min_expected_accept. Skipped
-    matches slowly forget rejections, so it tries again later. The output is unchanged either way.
+    Cost-aware when ``costs`` is set (``auto``: the verify-forward cost per K measured once on this device and
+    model and cached, as ``python -m mtpflow.bench mode=cost`` shows; or a {K: seconds} mapping). A verify
+    forward over several tokens can cost more than a one-token forward (1.1-1.5x on a 2-core CPU with packed
+    linears, 1.3-2.3x with stock MKL ones, about 1.0x on a GPU), so a draft only pays when the tokens it is
+    expected to add beat its extra cost. The proposer keeps, per matched n-gram length, decayed counts of
+    accepted draft tokens and of rejections, estimates the per-token acceptance a, and drafts the length L
+    (0 = no draft) with the most expected tokens, 1 + a + ... + a^L, per unit of cost. Skipped matches slowly
+    forget rejections, so it tries again later. ``min_expected_accept`` > 0 is a simpler fixed rule: draft
+    only when a (1 - a^L) / (1 - a) reaches it. The output is the same either way; only the speed changes.
     """
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3, max_draft: int | None = None,
-                 min_expected_accept: float = 0.0, decay: float = 0.9):
+                 min_expected_accept: float = 0.0, decay: float = 0.9, costs=None):
         self.min_ngram = check_k("strategy.propose.min_ngram", min_ngram)
         self.max_ngram = check_k("strategy.propose.max_ngram", max_ngram)
         if not 1 <= self.min_ngram <= self.max_ngram:
@@ -38,32 +44,61 @@ class PromptLookupProposer:
         self.max_draft = None if max_draft is None else check_k("strategy.propose.max_draft", max_draft)
         self.min_expected_accept = float(check_range("strategy.propose.min_expected_accept", min_expected_accept, 0))
         self.decay = float(check_range("strategy.propose.decay", decay, 0, 1))
+        self.cost_mode = check_costs(costs)
+        self.curve: CostCurve | None = None if self.cost_mode in (None, AUTO) else CostCurve(self.cost_mode)
         # per matched n: [accepted tokens, rejection events], decayed; optimistic prior so drafting starts
         self.evidence = {n: [2.0, 1.0] for n in range(self.min_ngram, self.max_ngram + 1)}
         self.last_match: int | None = None
         self.skipped = 0
+        self.trimmed = 0  # drafts cut shorter than the match by the cost model
+
+    def acceptance(self, n: int) -> float:
+        accepted, rejected = self.evidence[n]
+        return accepted / (accepted + rejected)
 
     def expected_accept(self, n: int, length: int) -> float:
-        accepted, rejected = self.evidence[n]
-        a = accepted / (accepted + rejected)
+        a = self.acceptance(n)
         return length if a >= 1.0 else a * (1 - a**length) / (1 - a)
+
+    @hookimpl
+    def on_run_start(self, context) -> dict[str, Any] | None:
+        if self.cost_mode != AUTO or context.model is None:
+            return None
+        costs, source = load_verify_costs(context)
+        self.curve = CostCurve(costs)
+        return {"pld_costs": source, **{f"pld_cost_k{k}": round(self.curve(k), 3) for k in (1, 2, 4, 8)}}
+
+    @hookimpl
+    def run_stats(self) -> dict[str, Any]:
+        return {"pld_skipped": self.skipped, "pld_trimmed": self.trimmed}
+
+    def _length(self, n: int, available: int) -> int:
+        """How many of the ``available`` matched tokens to draft (0: skip this match)."""
+        if self.curve is not None:
+            a = min(self.acceptance(n), 0.999)
+            return self.curve.best_length(a, available)
+        if self.min_expected_accept and self.expected_accept(n, available) < self.min_expected_accept:
+            return 0
+        return available
 
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
         k = min(k, self.max_draft) if self.max_draft else k
         context = state.proposer_context()
         self.last_match = None
-        if not self.min_expected_accept:
+        if not self.min_expected_accept and self.curve is None:
             return Draft.chain(find_ngram_continuation(context, self.min_ngram, self.max_ngram, k), "prompt_lookup")
         for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest match first
             follow = find_ngram_continuation(context, n, n, k)
             if follow.numel():
-                if self.expected_accept(n, int(follow.numel())) < self.min_expected_accept:
+                length = self._length(n, int(follow.numel()))
+                if length == 0:
                     self.evidence[n][1] *= self.decay  # forget rejections slowly, to try again later
                     self.skipped += 1
                     return Draft.empty("prompt_lookup")
+                self.trimmed += length < follow.numel()
                 self.last_match = n
-                return Draft.chain(follow, source="prompt_lookup")
+                return Draft.chain(follow[:length], source="prompt_lookup")
         return Draft.empty("prompt_lookup")
 
     @hookimpl
@@ -74,3 +109,17 @@ class PromptLookupProposer:
         accepted = record.decision.num_accepted
         evidence[0] = self.decay * evidence[0] + accepted
         evidence[1] = self.decay * evidence[1] + (accepted < record.draft.num_nodes)
+
+
+def check_costs(costs):
+    """None, ``auto`` or a {K: seconds} mapping including K=0."""
+    if costs is None or costs == AUTO:
+        return costs
+    if hasattr(costs, "items"):
+        try:
+            table = {int(k): float(v) for k, v in costs.items()}
+        except (TypeError, ValueError):
+            table = {}
+        if 0 in table and all(v > 0 for v in table.values()):
+            return table
+    raise ConfigError(f"strategy.propose.costs must be null, auto or a {{K: seconds}} mapping with K=0, got {costs!r}")

@@ -15,7 +15,7 @@ from mtpflow.playground.views import (
 
 PROMPT = "the quick brown fox jumps over the lazy dog. the quick brown fox jumps over the lazy dog. the quick"
 # the tiny model's own first layer drafts: on it, some drafts are accepted (with a bonus) and some refused
-DRAFTS_SOME = ["strategy.propose.layers=1"]
+DRAFTS_SOME = ["strategy.propose.layers=1", "strategy.propose.cost_aware=false", "strategy.select_k.k=1"]  # always drafts
 
 
 def live_side(loaded, tmp_path, strategy: str = "draft_model", extra=DRAFTS_SOME, max_new_tokens: int = 32):

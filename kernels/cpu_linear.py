@@ -1,0 +1,124 @@
+"""Small-batch linear layers for the CPU verify forward: oneDNN with pre-packed weights.
+
+Why: decoding on a CPU is bound by reading the weights. PyTorch's ``F.linear`` on float32 CPU tensors goes to
+MKL, which for 2 to 4 rows runs close to one matrix-vector product per row, so it reads the weights once per
+row: on the 2-core machine this was built on, a 3-token forward of SmolLM2-135M took 2.1x a 1-token one. A
+verify forward feeds 1 + K rows, so that cost ate most of what speculation gains. oneDNN's inner-product
+primitive over a weight packed once into its blocked layout reads the weights once for all rows
+(``python -m mtpflow.bench mode=cost`` shows the curve either way; ``model.cpu_linear`` switches it).
+
+How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
+its class swapped, so parameters, tied weights, hooks and ``isinstance`` checks are unchanged). Outside a
+``packed()`` block, and for a single row, a ``PackedLinear`` is exactly ``nn.Linear`` (so ``model.generate`` in the same process is
+stock HF); inside one, float32 CPU inputs go through oneDNN. The packed copy is built on first use and
+rebuilt when the weight changes; it costs one extra copy of the linear weights in memory.
+
+Numerics: a different summation order than MKL, differences around 1e-6 relative (the same order as MKL's own
+differences between 1-row and many-row products); greedy outputs stay token-identical in the tests.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+MODES = ("auto", "packed", "stock")
+# "auto" packs only models whose linear weights fit this budget (the packed copy doubles their memory)
+AUTO_MAX_BYTES = 2 * 1024**3
+
+_active: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpflow_packed_linear", default=False)
+
+
+def available() -> bool:
+    """Whether this torch build has the oneDNN packed linear ops."""
+    return bool(torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+class PackedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, runs oneDNN over a packed weight."""
+
+    _mtpflow_pack: tuple | None = None  # (weight version key, packed weight)
+
+    def _packed_weight(self) -> torch.Tensor:
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._mtpflow_pack is None or self._mtpflow_pack[0] != key:
+            with torch.no_grad():
+                self._mtpflow_pack = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+        return self._mtpflow_pack[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # one row: MKL's matrix-vector product reads the weights once already and is as fast or faster;
+        # this test comes first so a one-token decode step pays almost nothing for the wrapper
+        if x.numel() == x.shape[-1] or not _active.get() or x.device.type != "cpu" \
+                or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
+            return F.linear(x, self.weight, self.bias)
+        rows = x.reshape(-1, x.shape[-1])
+        if not rows.is_contiguous():
+            rows = rows.contiguous()
+        bias = None if self.bias is None else self.bias.detach()
+        y = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight(), bias, "none", [], "")
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+
+def linear_bytes(model: torch.nn.Module) -> int:
+    return sum(m.weight.numel() * m.weight.element_size() for m in model.modules()
+               if isinstance(m, torch.nn.Linear))
+
+
+def should_pack(mode: str, model: torch.nn.Module) -> bool:
+    """Whether ``mode`` (auto | packed | stock) packs this model's linears: auto packs float32 CPU models
+    whose linear weights fit ``AUTO_MAX_BYTES``, when oneDNN is available."""
+    if mode == "stock" or not available():
+        return False
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        return False
+    return mode == "packed" or linear_bytes(model) <= AUTO_MAX_BYTES
+
+
+def install(model: torch.nn.Module) -> int:
+    """Swap every ``nn.Linear`` of ``model`` to ``PackedLinear`` in place (idempotent); returns how many."""
+    count = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__class__ = PackedLinear
+            count += 1
+    return count
+
+
+def state(model: torch.nn.Module) -> str:
+    """"packed" when a forward of ``model`` here would use packed linears, else "stock" (cache keys)."""
+    on = _active.get() and any(isinstance(m, PackedLinear) for m in model.modules())
+    return "packed" if on else "stock"
+
+
+def check_mode(name) -> str:
+    from mtpflow.errors import ConfigError
+
+    if name not in MODES:
+        raise ConfigError(f"model.cpu_linear must be one of {', '.join(MODES)}, got {name!r}")
+    return str(name)
+
+
+def prepare(model: torch.nn.Module, mode: str) -> bool:
+    """Install packed linears on ``model`` when ``mode`` asks for them; True when runs should enable them."""
+    if not should_pack(check_mode(mode), model):
+        return False
+    install(model)
+    return True
+
+
+@contextlib.contextmanager
+def packed(enabled: bool = True) -> Iterator[None]:
+    """Run the body with packed linears on (for this thread / context)."""
+    token = _active.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _active.reset(token)

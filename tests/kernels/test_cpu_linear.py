@@ -1,0 +1,98 @@
+"""The oneDNN packed linears of the CPU verify forward (mtpflow.kernels.cpu_linear)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
+from mtpflow.errors import ConfigError
+from mtpflow.kernels import cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="this torch build has no oneDNN linear ops")
+
+
+def packed_layer(i=48, o=96, bias=True, seed=0):
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(i, o, bias=bias)
+    assert cpu_linear.install(torch.nn.Sequential(layer)) == 1
+    return layer
+
+
+@pytest.mark.parametrize("rows", [2, 3, 5, 17])
+@pytest.mark.parametrize("bias", [True, False])
+def test_packed_matches_f_linear(rows, bias):
+    layer = packed_layer(bias=bias)
+    x = torch.randn(1, rows, 48)
+    with torch.inference_mode():
+        ref = F.linear(x, layer.weight, layer.bias)
+        with cpu_linear.packed():
+            got = layer(x)
+    assert got.shape == ref.shape
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert layer._mtpflow_pack is not None  # the oneDNN path really ran
+
+
+def test_stock_outside_the_context_one_row_and_with_grad():
+    layer = packed_layer()
+    x = torch.randn(4, 48)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # no packed() block: stock
+        with cpu_linear.packed():
+            one = torch.randn(1, 1, 48)
+            assert torch.equal(layer(one), F.linear(one, layer.weight, layer.bias))  # one row: stock MKL
+    assert layer._mtpflow_pack is None
+    with cpu_linear.packed():  # autograd needs the stock op
+        y = layer(torch.randn(3, 48, requires_grad=True))
+        y.sum().backward()
+    assert layer.weight.grad is not None and layer._mtpflow_pack is None
+
+
+def test_repacks_when_the_weight_changes():
+    layer = packed_layer()
+    x = torch.randn(3, 48)
+    with torch.inference_mode(), cpu_linear.packed():
+        layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2.0)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_install_keeps_modules_tied_and_isinstance():
+    model = make_tiny_model(64, layers=1)
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    n = cpu_linear.install(model)
+    assert n == sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear)) and n > 0
+    assert cpu_linear.install(model) == 0  # idempotent
+    assert isinstance(model.lm_head, torch.nn.Linear) and type(model.lm_head) is cpu_linear.PackedLinear
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_should_pack_rules(monkeypatch):
+    model = make_tiny_model(64, layers=1)
+    assert cpu_linear.should_pack("auto", model) and cpu_linear.should_pack("packed", model)
+    assert not cpu_linear.should_pack("stock", model)
+    monkeypatch.setattr(cpu_linear, "AUTO_MAX_BYTES", 10)
+    assert not cpu_linear.should_pack("auto", model) and cpu_linear.should_pack("packed", model)
+    assert not cpu_linear.should_pack("packed", model.to(torch.bfloat16))
+    with pytest.raises(ConfigError, match="model.cpu_linear must be one of"):
+        cpu_linear.check_mode("fast")
+
+
+def test_decode_is_lossless_with_packed_and_stock_linears():
+    loaded = tiny_loaded(seed=3)
+    ids = list(range(5, 25)) * 2
+    ref = hf_greedy(loaded.model, ids, 40)
+    for mode in ("auto", "stock"):
+        pipe = make_pipeline(loaded, "pld", "max_new_tokens=40", f"model.cpu_linear={mode}",
+                             "strategy.propose.costs=null")
+        assert pipe.packed_linear == (mode == "auto")
+        assert pipe(prompt_ids=ids).token_ids == ref
+    # HF generate on the same (now installed) model object is still stock
+    assert hf_greedy(loaded.model, ids, 40) == ref
+
+
+def test_bad_mode_is_a_config_error(tiny):
+    with pytest.raises(ConfigError, match="cpu_linear"):
+        make_pipeline(tiny, "pld", "model.cpu_linear=fast")

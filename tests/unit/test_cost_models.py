@@ -1,0 +1,87 @@
+"""Cost models: the verify-cost curve, the cost-aware prompt lookup and the cost-aware draft model."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import hf_greedy, make_pipeline
+from mtpflow.errors import ConfigError
+from mtpflow.strategies.hardware import CostCurve, expected_tokens
+from mtpflow.strategies.pld import PromptLookupProposer
+
+FLAT = {0: 1.0, 1: 1.0, 4: 1.0, 8: 1.0}  # a GPU-like curve: extra draft tokens are free
+STEEP = {0: 1.0, 1: 3.0, 4: 6.0, 8: 9.0}  # every draft token costs far more than it can bring
+
+
+def test_cost_curve_is_monotone_interpolated_and_extrapolated():
+    curve = CostCurve({0: 0.1, 1: 0.2, 2: 0.15, 4: 0.3})  # K=2 faster than K=1: timing noise
+    assert curve(0) == 1.0 and curve(1) == pytest.approx(2.0)
+    assert curve(2) == pytest.approx(2.0)  # running maximum
+    assert curve(3) == pytest.approx(2.5)  # halfway between 2.0 and 3.0
+    assert curve(6) == pytest.approx(4.0)  # slope of the last segment continues
+    with pytest.raises(ConfigError):
+        CostCurve({1: 0.2})
+
+
+def test_best_length_follows_cost_and_acceptance():
+    assert CostCurve(FLAT).best_length(0.5, 10) == 10
+    assert CostCurve(STEEP).best_length(0.9, 10) == 0
+    mid = CostCurve({0: 1.0, 1: 1.1, 2: 1.2, 4: 1.4, 8: 1.8, 16: 2.6})
+    low, high = mid.best_length(0.3, 16), mid.best_length(0.95, 16)
+    assert 0 < low < high
+    # the chosen length really is the best expected tokens per cost
+    best = max(range(17), key=lambda n: expected_tokens(0.95, n) / mid(n))
+    assert high == best
+
+
+def test_pld_costs_validation():
+    with pytest.raises(ConfigError, match="costs"):
+        PromptLookupProposer(costs={1: 0.5})
+    with pytest.raises(ConfigError, match="costs"):
+        PromptLookupProposer(costs="fast")
+    assert PromptLookupProposer(costs="auto").cost_mode == "auto"
+
+
+def repetitive(vocab):
+    return [int(x) % (vocab - 1) + 1 for x in range(7, 19)] * 4
+
+
+def costs_override(table):
+    return "strategy.propose.costs={" + ",".join(f"{k}:{v}" for k, v in table.items()) + "}"
+
+
+def test_cost_aware_pld_drafts_only_when_it_pays(tiny):
+    ids = repetitive(len(tiny.tokenizer))
+    ref = hf_greedy(tiny.model, ids, 48)
+    flat = make_pipeline(tiny, "pld", "max_new_tokens=48", "strategy.propose.min_ngram=1", costs_override(FLAT))
+    steep = make_pipeline(tiny, "pld", "max_new_tokens=48", "strategy.propose.min_ngram=1", costs_override(STEEP))
+    r_flat, r_steep = flat(prompt_ids=ids), steep(prompt_ids=ids)
+    assert r_flat.token_ids == ref and r_steep.token_ids == ref
+    assert r_steep.stats["mal"] == 1.0 and r_steep.stats["pld_skipped"] > 0  # never worth it: decodes plainly
+    assert r_flat.stats["verify_forwards"] <= r_steep.stats["verify_forwards"]
+
+
+def test_pld_auto_costs_measures_once_and_reports(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    ids = repetitive(len(tiny.tokenizer))
+    pipe = make_pipeline(tiny, "pld", "max_new_tokens=16")
+    first = pipe(prompt_ids=ids)
+    second = pipe(prompt_ids=ids)
+    assert first.stats["pld_costs"] == "measured" and second.stats["pld_costs"] == "cached"
+    assert first.token_ids == second.token_ids == hf_greedy(tiny.model, ids, 16)
+
+
+def test_cost_aware_draft_model_skips_a_costly_drafter_and_probes(tiny):
+    ids = repetitive(len(tiny.tokenizer))
+    ref = hf_greedy(tiny.model, ids, 40)
+    steep = "+strategy.propose.costs={0:1.0,1:30.0,8:60.0}"
+    pipe = make_pipeline(tiny, "draft_model", "max_new_tokens=40", "strategy.propose.layers=1",
+                         "strategy.propose.probe_every=4", steep)
+    result = pipe(prompt_ids=ids)
+    assert result.token_ids == ref
+    stats = result.stats
+    assert stats["draft_skipped_steps"] > 20  # mostly plain steps
+    drafted = stats["verify_forwards"] - stats["draft_skipped_steps"]
+    assert 1 <= drafted <= stats["verify_forwards"] // 4 + 1  # one probe every 4 idle steps at most
+    free = make_pipeline(tiny, "draft_model", "max_new_tokens=40", "strategy.propose.layers=1",
+                         "strategy.propose.cost_aware=false")
+    assert free(prompt_ids=ids).token_ids == ref
