@@ -41,10 +41,19 @@ def root_entropy(draft: Draft) -> float | None:
 class PFSPruner:
     """Keep nodes with PFS >= threshold * exp(adapt * (reference_entropy - H)), clamped to
     [min_threshold, max_threshold], where H is the draft's first-position normalized entropy; then keep
-    the ``max_nodes`` highest-PFS nodes. ``adapt: 0`` gives a fixed threshold."""
+    the ``max_nodes`` highest-PFS nodes. ``adapt: 0`` gives a fixed threshold.
+
+    ``costs`` (``auto`` or {K: seconds}; null = off) adds a cost-aware budget: under a greedy gate a node is
+    accepted when its whole path matches the target, so the expected accepted tokens of a tree are about the
+    sum of its nodes' PFS. The pruner keeps the N highest-PFS survivors (N = 0 allowed) that maximise
+    (1 + c * sum of their PFS) / cost(N), where cost is the measured verify-cost curve and c a running
+    calibration (accepted tokens / predicted sum of PFS, decayed) that corrects over- or under-confident
+    drafters.
+    """
 
     def __init__(self, threshold: float = 0.35, adapt: float = 2.0, reference_entropy: float = 0.15,
-                 min_threshold: float = 0.02, max_threshold: float = 0.9, max_nodes: int = 16):
+                 min_threshold: float = 0.02, max_threshold: float = 0.9, max_nodes: int = 16,
+                 costs=None, decay: float = 0.9):
         self.threshold = check_range("strategy.prune.threshold", threshold, 0, 1)
         self.adapt = check_range("strategy.prune.adapt", adapt, 0, None)
         self.reference_entropy = check_range("strategy.prune.reference_entropy", reference_entropy, 0, 1)
@@ -56,6 +65,62 @@ class PFSPruner:
             raise ConfigError(f"strategy.prune.max_nodes must be a non-negative integer, got {max_nodes!r}")
         self.max_nodes = max_nodes
         self.last_threshold = float(threshold)  # the threshold used by the latest step, for inspection
+        from mtpflow.strategies.hardware import CostCurve
+        from mtpflow.strategies.pld import check_costs
+
+        self.cost_mode = check_costs(costs)
+        self.curve = CostCurve(self.cost_mode) if isinstance(self.cost_mode, dict) else None
+        self.decay = float(check_range("strategy.prune.decay", decay, 0, 1))
+        self._predicted, self._accepted = 1.0, 1.0  # calibration prior: one token predicted, one accepted
+        self._last_predicted: float | None = None
+        self.cost_cut_nodes = 0
+
+    @property
+    def calibration(self) -> float:
+        return self._accepted / self._predicted
+
+    @hookimpl
+    def on_run_start(self, context):
+        if self.cost_mode != "auto" or context.model is None:
+            return None
+        from mtpflow.strategies.hardware import CostCurve, load_verify_costs
+
+        costs, source = load_verify_costs(context)
+        self.curve = CostCurve(costs)
+        return {"pfs_costs": source}
+
+    @hookimpl
+    def run_stats(self):
+        if self.curve is None:
+            return None
+        return {"pfs_calibration": round(self.calibration, 4), "pfs_cost_cut_nodes": self.cost_cut_nodes}
+
+    def cost_budget(self, pfs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` narrowed to the highest-PFS nodes worth their verify cost (see the class docstring)."""
+        idx = keep.nonzero().flatten()
+        if idx.numel() == 0:
+            self._last_predicted = 0.0
+            return keep
+        # stable sort: ties keep node order, so a parent (PFS >= its children's) comes first
+        order = idx[torch.sort(pfs[idx], descending=True, stable=True).indices]
+        gains = torch.cumsum(pfs[order].double(), 0).tolist()
+        c = self.calibration
+        best_n = max(range(len(gains) + 1),
+                     key=lambda n: ((1.0 + c * (gains[n - 1] if n else 0.0)) / self.curve(n), -n))
+        out = torch.zeros_like(keep)
+        out[order[:best_n]] = True
+        self.cost_cut_nodes += int(idx.numel()) - best_n
+        self._last_predicted = gains[best_n - 1] if best_n else 0.0
+        return out
+
+    @hookimpl
+    def on_step_end(self, record) -> None:
+        if self.curve is None or self._last_predicted is None:
+            return
+        if record.draft.num_nodes:
+            self._predicted = self.decay * self._predicted + self._last_predicted
+            self._accepted = self.decay * self._accepted + record.decision.num_accepted
+        self._last_predicted = None
 
     def step_threshold(self, entropy: float | None) -> float:
         """The threshold for a step whose draft has first-position normalized entropy ``entropy``."""
@@ -70,6 +135,10 @@ class PFSPruner:
         # threshold + budget in one pass (Triton on CUDA, torch elsewhere); ties broken by node order, so a
         # parent (never less feasible) wins over its children. Path scores the proposer set are used as given.
         if "pfs" in draft.scores or draft.probs is None:
-            return pfs_prune(path_scores(draft), torch.full((draft.num_nodes,), -1), self.last_threshold,
-                             self.max_nodes)[1]
-        return pfs_prune(draft.probs, draft.parents, self.last_threshold, self.max_nodes)[1]
+            pfs, keep = pfs_prune(path_scores(draft), torch.full((draft.num_nodes,), -1), self.last_threshold,
+                                  self.max_nodes)
+        else:
+            pfs, keep = pfs_prune(draft.probs, draft.parents, self.last_threshold, self.max_nodes)
+        if self.curve is not None:
+            keep = self.cost_budget(pfs.cpu(), keep.cpu())
+        return keep

@@ -85,3 +85,47 @@ def test_cost_aware_draft_model_skips_a_costly_drafter_and_probes(tiny):
     free = make_pipeline(tiny, "draft_model", "max_new_tokens=40", "strategy.propose.layers=1",
                          "strategy.propose.cost_aware=false")
     assert free(prompt_ids=ids).token_ids == ref
+
+
+def tree_draft():
+    import torch
+
+    from mtpflow.types import Draft
+
+    # root children 0 (p .9) and 1 (p .05); 2 under 0 (p .8); 3 under 2 (p .5)
+    parents = torch.tensor([-1, -1, 0, 2])
+    probs = torch.tensor([0.9, 0.05, 0.8, 0.5])
+    return Draft(tokens=torch.tensor([3, 4, 5, 6]), parents=parents, probs=probs)
+
+
+def test_pfs_cost_budget_keeps_what_pays():
+    import torch
+
+    from mtpflow.strategies.pfs import PFSPruner
+
+    draft = tree_draft()  # PFS: .9, .05, .72, .36
+    flat = PFSPruner(threshold=0.0, costs=FLAT).prune(None, draft)
+    assert flat.tolist() == [True, True, True, True]
+    steep = PFSPruner(threshold=0.0, costs=STEEP).prune(None, draft)
+    assert steep.tolist() == [False, False, False, False]
+    mid = PFSPruner(threshold=0.0, costs={0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3, 4: 1.9})
+    keep = mid.prune(None, draft)
+    # (1 + .9) / 1.1 < (1 + 1.62) / 1.2 < (1 + 1.98) / 1.3 > (1 + 2.03) / 1.9: the three best paths
+    assert keep.tolist() == [True, False, True, True]
+    assert mid._last_predicted == pytest.approx(1.98, abs=1e-5)
+    assert torch.equal(PFSPruner(threshold=0.0).prune(None, draft), torch.tensor([True] * 4))  # costs off
+
+
+def test_pfs_calibration_follows_acceptance():
+    from types import SimpleNamespace
+
+    from mtpflow.strategies.pfs import PFSPruner
+
+    pruner = PFSPruner(threshold=0.0, costs=FLAT)
+    draft = tree_draft()
+    for _ in range(30):  # the drafter promises ~2 tokens a step and delivers none
+        pruner.prune(None, draft)
+        pruner.on_step_end(SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=0)))
+    assert pruner.calibration < 0.1
+    with pytest.raises(ConfigError):
+        PFSPruner(costs={2: 1.0})

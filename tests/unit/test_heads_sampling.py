@@ -38,7 +38,7 @@ def test_tree_sampling_matches_plain_sampling(kind, tmp_path):
     plain, _, _ = sample_counts(make_pipeline(loaded, "baseline", "max_new_tokens=4", "temperature=1.0"), prompt, n)
     spec, drafted, trees = sample_counts(
         make_pipeline(loaded, kind, "max_new_tokens=4", "temperature=1.0", f"strategy.propose.heads={folder}",
-                      "k=2", "strategy.propose.top_k=3", "strategy.prune.0.threshold=0.0"), prompt, n)
+                      "k=2", "strategy.propose.top_k=3", "strategy.prune.0.threshold=0.0", "strategy.prune.0.costs=null"), prompt, n)
     assert drafted > n and trees > n // 2  # speculation over trees really happened
     keys = sorted(set(plain) | set(spec))
     table = [[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]]
