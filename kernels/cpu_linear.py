@@ -7,11 +7,15 @@ verify forward feeds 1 + K rows, so that cost ate most of what speculation gains
 primitive over a weight packed once into its blocked layout reads the weights once for all rows
 (``python -m mtpflow.bench mode=cost`` shows the curve either way; ``model.cpu_linear`` switches it).
 
+For one row, MKL's stock path on that machine was itself slower than a product with a transposed copy of the
+weight (about 7% of a whole one-token forward); ``install`` times both on the model's largest linear and
+keeps the faster, so plain decode steps do not lose to ``model.generate`` either.
+
 How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
 its class swapped, so parameters, tied weights, hooks and ``isinstance`` checks are unchanged). Outside a
-``packed()`` block, and for a single row, a ``PackedLinear`` is exactly ``nn.Linear`` (so ``model.generate`` in the same process is
-stock HF); inside one, float32 CPU inputs go through oneDNN. The packed copy is built on first use and
-rebuilt when the weight changes; it costs one extra copy of the linear weights in memory.
+``packed()`` block a ``PackedLinear`` is exactly ``nn.Linear`` (so ``model.generate`` in the same process is
+stock HF); inside one, float32 CPU inputs take the paths above. The packed (and transposed) copies are built
+on first use and rebuilt when the weight changes; each costs one more copy of the linear weights in memory.
 
 Numerics: a different summation order than MKL, differences around 1e-6 relative (the same order as MKL's own
 differences between 1-row and many-row products); greedy outputs stay token-identical in the tests.
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import statistics
+import time
 from typing import Iterator
 
 import torch
@@ -27,7 +33,7 @@ import torch.nn.functional as F
 
 MODES = ("auto", "packed", "stock")
 # "auto" packs only models whose linear weights fit this budget (the packed copy doubles their memory)
-AUTO_MAX_BYTES = 2 * 1024**3
+AUTO_MAX_BYTES = 1024**3
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpflow_packed_linear", default=False)
 
@@ -40,24 +46,40 @@ def available() -> bool:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, runs oneDNN over a packed weight."""
+    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, runs oneDNN over a packed weight for
+    several rows, and for one row either stock ``F.linear`` or a product with a transposed copy of the weight,
+    whichever ``install`` timed faster on this machine (MKL's one-row path differs by weight layout)."""
 
     _mtpflow_pack: tuple | None = None  # (weight version key, packed weight)
+    _mtpflow_t: tuple | None = None  # (weight version key, weight.t().contiguous())
+    _mtpflow_one_row_transposed = False
+
+    def _key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, tuple(w.shape))
+
+    def _transposed_weight(self) -> torch.Tensor:
+        key = self._key()
+        if self._mtpflow_t is None or self._mtpflow_t[0] != key:
+            self._mtpflow_t = (key, self.weight.detach().t().contiguous())
+        return self._mtpflow_t[1]
 
     def _packed_weight(self) -> torch.Tensor:
-        w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        key = self._key()
         if self._mtpflow_pack is None or self._mtpflow_pack[0] != key:
             with torch.no_grad():
-                self._mtpflow_pack = (key, torch.ops.mkldnn._reorder_linear_weight(w.detach(), None))
+                self._mtpflow_pack = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
         return self._mtpflow_pack[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one row: MKL's matrix-vector product reads the weights once already and is as fast or faster;
-        # this test comes first so a one-token decode step pays almost nothing for the wrapper
-        if x.numel() == x.shape[-1] or not _active.get() or x.device.type != "cpu" \
-                or x.dtype != torch.float32 or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
+        if not _active.get() or x.device.type != "cpu" or x.dtype != torch.float32 \
+                or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
+        if x.numel() == x.shape[-1]:  # one row
+            if not self._mtpflow_one_row_transposed:
+                return F.linear(x, self.weight, self.bias)
+            y = x @ self._transposed_weight()
+            return y if self.bias is None else y + self.bias
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -83,13 +105,40 @@ def should_pack(mode: str, model: torch.nn.Module) -> bool:
 
 
 def install(model: torch.nn.Module) -> int:
-    """Swap every ``nn.Linear`` of ``model`` to ``PackedLinear`` in place (idempotent); returns how many."""
-    count = 0
-    for module in model.modules():
-        if type(module) is torch.nn.Linear:
-            module.__class__ = PackedLinear
-            count += 1
-    return count
+    """Swap every ``nn.Linear`` of ``model`` to ``PackedLinear`` in place (idempotent) and choose its one-row
+    path (``one_row_transposed_is_faster``); returns how many were swapped."""
+    fresh = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    if not fresh:
+        return 0
+    transposed = one_row_transposed_is_faster(max(fresh, key=lambda m: m.weight.numel()))
+    for module in fresh:
+        module.__class__ = PackedLinear
+        module._mtpflow_one_row_transposed = transposed
+    return len(fresh)
+
+
+@torch.inference_mode()
+def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margin: float = 0.05) -> bool:
+    """Time one row through ``layer`` (the model's largest linear, too big for the caches, so the timing
+    reflects reading the weight from memory) as stock ``F.linear`` and as ``x @ weight.t().contiguous()``,
+    interleaved; True when the second is faster by ``margin``. On the 2-core AMD build machine it was ~2x
+    faster on the LM head and ~7% faster over a whole forward; other CPUs may differ, hence the timing."""
+    w = layer.weight.detach()
+    if w.device.type != "cpu" or w.dtype != torch.float32 or w.numel() < 1 << 20:
+        return False  # small layers: cache-resident, a timing would mislead; keep stock
+    wt = w.t().contiguous()
+    x = torch.randn(1, w.shape[1])
+    stock, transposed = [], []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        F.linear(x, w)
+        t1 = time.perf_counter()
+        x @ wt
+        t2 = time.perf_counter()
+        if i:  # the first round warms up
+            stock.append(t1 - t0)
+            transposed.append(t2 - t1)
+    return statistics.median(transposed) < (1 - margin) * statistics.median(stock)
 
 
 def state(model: torch.nn.Module) -> str:

@@ -64,6 +64,34 @@ def hf_generate(model, ids: torch.Tensor, max_new_tokens: int, eos_ids) -> tuple
     return out[0, x.shape[1]:].tolist(), time.perf_counter() - t0
 
 
+def lookup_ceiling_steps(prompt_ids, output_ids, max_ngram: int = 4, max_draft: int = 16) -> int:
+    """Decode steps an *oracle* prompt-lookup proposer would need for ``output_ids``: at each step it may
+    draft the continuation of any earlier occurrence of the last n tokens (1 <= n <= max_ngram, up to
+    ``max_draft`` tokens) and is told which one matches the real output longest. No lookup proposer (PLD,
+    suffix trees, n-gram trees) can beat it, so (tokens - 1) / (steps - 1) bounds their MAL on this output.
+    The first token comes from the prefill, as in the decode loop."""
+    context, out = list(prompt_ids) + list(output_ids[:1]), list(output_ids)
+    i = steps = min(1, len(out))
+    while i < len(out):
+        best = 0
+        for n in range(1, max_ngram + 1):
+            if len(context) <= n:
+                break
+            suffix = context[-n:]
+            for j in range(len(context) - n):
+                if context[j:j + n] == suffix:
+                    length = 0
+                    while (length < max_draft and i + length < len(out) and j + n + length < len(context)
+                           and context[j + n + length] == out[i + length]):
+                        length += 1
+                    best = max(best, length)
+        take = min(best, len(out) - i - 1) + 1  # accepted drafts plus the target's own token
+        context += out[i:i + take]
+        i += take
+        steps += 1
+    return steps
+
+
 def run_decode_bench(opts) -> "pandas.DataFrame":
     import pandas as pd
     from tqdm import tqdm
@@ -105,7 +133,8 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
                     bar.update()
                     rows.append({"id": item["id"], "class": item["class"], "strategy": "hf_generate",
                                  "repeat": rep, "tokens": len(ref), "seconds": hf_seconds, "steps": len(ref),
-                                 "mal": 1.0, "token_ids": ref})
+                                 "mal": 1.0, "token_ids": ref,
+                                 "lookup_ceiling_steps": lookup_ceiling_steps(ids.tolist(), ref)})
                     continue
                 t0 = time.perf_counter()
                 result = pipes[name](prompt_ids=ids)
@@ -158,12 +187,16 @@ def summarize(df) -> "pandas.DataFrame":
         hf_rate = hf["tokens"].sum() / hf["seconds"].sum()
         rate = tokens / seconds
         steps = g["steps"].sum() - len(g)  # verify forwards (the prefill is not a verify forward)
+        ceiling = None
+        if strategy == "hf_generate" and "lookup_ceiling_steps" in g:  # MAL bound of any lookup proposer
+            ceiling = round((tokens - len(g)) / max(g["lookup_ceiling_steps"].sum() - len(g), 1), 3)
         out.append({
             "strategy": strategy, "class": cls, "prompts": len(g), "tokens": int(tokens),
             "tokens_per_s": round(rate, 2), "speedup_vs_hf": round(rate / hf_rate, 3),
             "mal": round((tokens - len(g)) / max(steps, 1), 3),
             "forwards_per_token": round(g["steps"].sum() / tokens, 3),
             "identical": f"{int(g['identical'].sum())}/{len(g)}",
+            "lookup_ceiling_mal": ceiling,
         })
     table = pd.DataFrame(out)
     order = {c: i for i, c in enumerate(sorted(df["class"].unique()))}

@@ -96,3 +96,16 @@ def test_decode_is_lossless_with_packed_and_stock_linears():
 def test_bad_mode_is_a_config_error(tiny):
     with pytest.raises(ConfigError, match="cpu_linear"):
         make_pipeline(tiny, "pld", "model.cpu_linear=fast")
+
+
+def test_one_row_transposed_path_and_its_timing_choice():
+    layer = packed_layer()
+    layer._mtpflow_one_row_transposed = True  # what install picks where the transposed product is faster
+    one = torch.randn(1, 1, 48)
+    with torch.inference_mode(), cpu_linear.packed():
+        torch.testing.assert_close(layer(one), F.linear(one, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert layer._mtpflow_t is not None
+    small = torch.nn.Linear(48, 96)
+    assert cpu_linear.one_row_transposed_is_faster(small) is False  # cache-resident: never timed
+    big = torch.nn.Linear(512, 4096, bias=False)
+    assert isinstance(cpu_linear.one_row_transposed_is_faster(big, repeats=3), bool)
