@@ -26,7 +26,7 @@ def test_lookup_ceiling_steps():
     assert bench.lookup_ceiling_steps([7, 8], [1, 2, 3]) == 3  # nothing to copy: one token per step
     assert bench.lookup_ceiling_steps([7, 8], []) == 0
     # drafts are capped at max_draft tokens per step
-    assert bench.lookup_ceiling_steps(list(range(1, 21)), list(range(1, 21)), max_draft=4) == 1 + 5
+    assert bench.lookup_ceiling_steps(list(range(1, 21)), list(range(1, 21)), max_draft=4) == 1 + 4  # 19 = 5+5+5+4
 
 
 def test_best_of_repeats_and_summary():
