@@ -142,9 +142,12 @@ def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margi
 
 
 def state(model: torch.nn.Module) -> str:
-    """"packed" when a forward of ``model`` here would use packed linears, else "stock" (cache keys)."""
-    on = _active.get() and any(isinstance(m, PackedLinear) for m in model.modules())
-    return "packed" if on else "stock"
+    """"stock", "packed", or "packed+t1" (packed, with the transposed one-row path): which linears a forward of
+    ``model`` here would use; part of the verify-cost cache key."""
+    mods = [m for m in model.modules() if isinstance(m, PackedLinear)] if _active.get() else []
+    if not mods:
+        return "stock"
+    return "packed+t1" if any(m._mtpflow_one_row_transposed for m in mods) else "packed"
 
 
 def check_mode(name) -> str:
