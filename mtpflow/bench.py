@@ -263,9 +263,7 @@ def cost_table(loaded, which: str, ks, context: int):
     can_pack = cpu_linear.prepare(loaded.model, "packed")
     if which == "packed" and not can_pack:
         raise UserError("packed linears need a float32 CPU model and a torch build with oneDNN")
-    modes = ["stock"] + (["packed"] if can_pack and which != "stock" else [])
-    if which == "packed":
-        modes = ["packed"]
+    modes = {"stock": ["stock"], "packed": ["packed"], "both": ["stock"] + (["packed"] if can_pack else [])}[which]
     frames = []
     for mode in modes:
         with cpu_linear.packed(mode == "packed"):

@@ -12,9 +12,10 @@ from transformers import DynamicCache
 from mtpflow.errors import ConfigError, UserError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.sampling import target_probs
-from mtpflow.strategies.hardware import CostCurve, expected_tokens, load_verify_costs
+from mtpflow.strategies.hardware import (
+    CostCurve, DecayedAcceptance, check_costs, expected_tokens, load_verify_costs,
+)
 from mtpflow.strategies.k_selectors import check_k
-from mtpflow.strategies.pld import check_costs
 from mtpflow.types import DecodeState, Draft
 
 
@@ -57,8 +58,8 @@ class DraftModelProposer:
         self.model_name, self.layers, self.dtype = model, layers, dtype
         self.cost_aware = bool(cost_aware)
         self.probe_every = check_k("strategy.propose.probe_every", probe_every)
-        self.acceptance_prior = float(check_range("strategy.propose.acceptance_prior", acceptance_prior, 0, 1))
-        self.decay = float(check_range("strategy.propose.decay", decay, 0, 1))
+        self._acceptance = DecayedAcceptance(check_range("strategy.propose.acceptance_prior", acceptance_prior, 0, 1),
+                                             check_range("strategy.propose.decay", decay, 0, 1))
         self.given_costs = check_costs(costs)
         self.draft = None
         self.cache = None
@@ -66,7 +67,6 @@ class DraftModelProposer:
         self.curve: CostCurve | None = None
         self.base_seconds = 0.0  # a one-token target forward
         self.draft_seconds: float | None = None  # decayed mean time of one draft forward
-        self._accepted = self._rejected = 0.0
         self._idle_steps = 0
         self.skipped = 0
 
@@ -99,8 +99,7 @@ class DraftModelProposer:
 
     @property
     def acceptance(self) -> float:
-        prior = 2.0  # the prior counts as two observations
-        return (self._accepted + prior * self.acceptance_prior) / (self._accepted + self._rejected + prior)
+        return self._acceptance.value
 
     def draft_length(self, k: int) -> int:
         """How many tokens to draft this step (at most ``k``) under the cost model."""
@@ -123,9 +122,7 @@ class DraftModelProposer:
             self._idle_steps += 1
             return
         self._idle_steps = 0
-        accepted = record.decision.num_accepted
-        self._accepted = self.decay * self._accepted + accepted
-        self._rejected = self.decay * self._rejected + (1 if accepted < n else 0)
+        self._acceptance.update(record.decision.num_accepted, n)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], start: int) -> torch.Tensor:

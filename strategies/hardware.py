@@ -158,6 +158,41 @@ class CostCurve:
         return max(range(longest + 1), key=lambda n: (expected_tokens(acceptance, n) / self(n), -n))
 
 
+def check_costs(costs):
+    """A stage's ``costs`` setting: None (off), ``auto`` (measured, ``load_verify_costs``) or a {K: seconds}
+    mapping including K=0."""
+    if costs is None or costs == AUTO:
+        return costs
+    if hasattr(costs, "items"):
+        try:
+            table = {int(k): float(v) for k, v in costs.items()}
+        except (TypeError, ValueError):
+            table = {}
+        if 0 in table and all(v > 0 for v in table.values()):
+            return table
+    raise ConfigError(f"strategy costs must be null, auto or a {{K: seconds}} mapping with K=0, got {costs!r}")
+
+
+class DecayedAcceptance:
+    """Per-position draft acceptance a, from decayed counts of accepted draft tokens and of rejection events
+    (a geometric model: each draft token is accepted with probability a given the previous one was), with
+    ``prior`` counting as ``prior_weight`` observations that never decay."""
+
+    def __init__(self, prior: float = 0.5, memory: float = 0.9, prior_weight: float = 2.0):
+        self.prior, self.memory, self.prior_weight = float(prior), float(memory), float(prior_weight)
+        self.accepted = self.rejected = 0.0
+
+    @property
+    def value(self) -> float:
+        w = self.prior_weight
+        return (self.accepted + w * self.prior) / (self.accepted + self.rejected + w)
+
+    def update(self, accepted: int, drafted_depth: int) -> None:
+        """One verified draft: ``accepted`` of its ``drafted_depth`` positions were accepted."""
+        self.accepted = self.memory * self.accepted + accepted
+        self.rejected = self.memory * self.rejected + (1 if accepted < drafted_depth else 0)
+
+
 def _check_k_or_auto(name: str, value) -> int | str:
     return AUTO if value == AUTO else check_k(name, value)
 
@@ -197,8 +232,7 @@ class HardwareAwareK:
         self.costs = None if costs is None else {check_k("strategy.select_k.costs", int(kk)): float(v)
                                                   for kk, v in costs.items()}
         self.mode: int | str = AUTO
-        # decayed counts of accepted / rejected draft positions (the geometric model's successes / failures)
-        self._accepted = self._rejected = 0.0
+        self._acceptance = DecayedAcceptance(self.acceptance_prior, self.acceptance_memory)
         self._steps_without_draft = 0
 
     def k_for_device(self, name: str, device_type: str) -> int | str:
@@ -212,9 +246,7 @@ class HardwareAwareK:
     @property
     def acceptance(self) -> float:
         """Recent per-position acceptance, the prior counting as two observations."""
-        prior_weight = 2.0
-        return (self._accepted + prior_weight * self.acceptance_prior) / (
-            self._accepted + self._rejected + prior_weight)
+        return self._acceptance.value
 
     def _load_costs(self, context) -> tuple[dict[int, float], str]:
         return load_verify_costs(context, self.auto_ks, self.cost_context, self.cost_repeats,
@@ -264,7 +296,4 @@ class HardwareAwareK:
             return
         self._steps_without_draft = 0
         deepest = int(record.draft.depths().max())
-        accepted = record.decision.num_accepted
-        m = self.acceptance_memory
-        self._accepted = m * self._accepted + accepted
-        self._rejected = m * self._rejected + (1 if accepted < deepest else 0)
+        self._acceptance.update(record.decision.num_accepted, deepest)

@@ -12,6 +12,7 @@ import torch
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import pfs_prune
+from mtpflow.strategies.hardware import CostCurve, check_costs, load_verify_costs
 from mtpflow.types import DecodeState, Draft
 
 
@@ -65,9 +66,6 @@ class PFSPruner:
             raise ConfigError(f"strategy.prune.max_nodes must be a non-negative integer, got {max_nodes!r}")
         self.max_nodes = max_nodes
         self.last_threshold = float(threshold)  # the threshold used by the latest step, for inspection
-        from mtpflow.strategies.hardware import CostCurve
-        from mtpflow.strategies.pld import check_costs
-
         self.cost_mode = check_costs(costs)
         self.curve = CostCurve(self.cost_mode) if isinstance(self.cost_mode, dict) else None
         self.decay = float(check_range("strategy.prune.decay", decay, 0, 1))
@@ -83,8 +81,6 @@ class PFSPruner:
     def on_run_start(self, context):
         if self.cost_mode != "auto" or context.model is None:
             return None
-        from mtpflow.strategies.hardware import CostCurve, load_verify_costs
-
         costs, source = load_verify_costs(context)
         self.curve = CostCurve(costs)
         return {"pfs_costs": source}

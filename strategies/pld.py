@@ -9,7 +9,7 @@ import torch
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import ngram_continuation
-from mtpflow.strategies.hardware import AUTO, CostCurve, load_verify_costs
+from mtpflow.strategies.hardware import AUTO, CostCurve, check_costs, load_verify_costs
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 
@@ -31,18 +31,16 @@ class PromptLookupProposer:
     expected to add beat its extra cost. The proposer keeps, per matched n-gram length, decayed counts of
     accepted draft tokens and of rejections, estimates the per-token acceptance a, and drafts the length L
     (0 = no draft) with the most expected tokens, 1 + a + ... + a^L, per unit of cost. Skipped matches slowly
-    forget rejections, so it tries again later. ``min_expected_accept`` > 0 is a simpler fixed rule: draft
-    only when a (1 - a^L) / (1 - a) reaches it. The output is the same either way; only the speed changes.
+    forget rejections, so it tries again later. The output is the same either way; only the speed changes.
     """
 
     def __init__(self, min_ngram: int = 1, max_ngram: int = 3, max_draft: int | None = None,
-                 min_expected_accept: float = 0.0, decay: float = 0.9, costs=None):
+                 decay: float = 0.9, costs=None):
         self.min_ngram = check_k("strategy.propose.min_ngram", min_ngram)
         self.max_ngram = check_k("strategy.propose.max_ngram", max_ngram)
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ConfigError(f"strategy.propose: need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_draft = None if max_draft is None else check_k("strategy.propose.max_draft", max_draft)
-        self.min_expected_accept = float(check_range("strategy.propose.min_expected_accept", min_expected_accept, 0))
         self.decay = float(check_range("strategy.propose.decay", decay, 0, 1))
         self.cost_mode = check_costs(costs)
         self.curve: CostCurve | None = None if self.cost_mode in (None, AUTO) else CostCurve(self.cost_mode)
@@ -56,10 +54,6 @@ class PromptLookupProposer:
         accepted, rejected = self.evidence[n]
         return accepted / (accepted + rejected)
 
-    def expected_accept(self, n: int, length: int) -> float:
-        a = self.acceptance(n)
-        return length if a >= 1.0 else a * (1 - a**length) / (1 - a)
-
     @hookimpl
     def on_run_start(self, context) -> dict[str, Any] | None:
         if self.cost_mode != AUTO or context.model is None:
@@ -72,26 +66,18 @@ class PromptLookupProposer:
     def run_stats(self) -> dict[str, Any]:
         return {"pld_skipped": self.skipped, "pld_trimmed": self.trimmed}
 
-    def _length(self, n: int, available: int) -> int:
-        """How many of the ``available`` matched tokens to draft (0: skip this match)."""
-        if self.curve is not None:
-            a = min(self.acceptance(n), 0.999)
-            return self.curve.best_length(a, available)
-        if self.min_expected_accept and self.expected_accept(n, available) < self.min_expected_accept:
-            return 0
-        return available
-
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
         k = min(k, self.max_draft) if self.max_draft else k
         context = state.proposer_context()
         self.last_match = None
-        if not self.min_expected_accept and self.curve is None:
+        if self.curve is None:
             return Draft.chain(find_ngram_continuation(context, self.min_ngram, self.max_ngram, k), "prompt_lookup")
         for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest match first
             follow = find_ngram_continuation(context, n, n, k)
             if follow.numel():
-                length = self._length(n, int(follow.numel()))
+                # how many of the matched tokens pay for their verify cost (0: skip this match)
+                length = self.curve.best_length(min(self.acceptance(n), 0.999), int(follow.numel()))
                 if length == 0:
                     self.evidence[n][1] *= self.decay  # forget rejections slowly, to try again later
                     self.skipped += 1
@@ -110,16 +96,3 @@ class PromptLookupProposer:
         evidence[0] = self.decay * evidence[0] + accepted
         evidence[1] = self.decay * evidence[1] + (accepted < record.draft.num_nodes)
 
-
-def check_costs(costs):
-    """None, ``auto`` or a {K: seconds} mapping including K=0."""
-    if costs is None or costs == AUTO:
-        return costs
-    if hasattr(costs, "items"):
-        try:
-            table = {int(k): float(v) for k, v in costs.items()}
-        except (TypeError, ValueError):
-            table = {}
-        if 0 in table and all(v > 0 for v in table.values()):
-            return table
-    raise ConfigError(f"strategy.propose.costs must be null, auto or a {{K: seconds}} mapping with K=0, got {costs!r}")

@@ -107,5 +107,18 @@ def test_one_row_transposed_path_and_its_timing_choice():
     assert layer._mtpflow_t is not None
     small = torch.nn.Linear(48, 96)
     assert cpu_linear.one_row_transposed_is_faster(small) is False  # cache-resident: never timed
-    big = torch.nn.Linear(512, 4096, bias=False)
-    assert isinstance(cpu_linear.one_row_transposed_is_faster(big, repeats=3), bool)
+
+
+@pytest.mark.parametrize("faster", [True, False])
+def test_install_applies_the_timed_one_row_choice_to_every_layer(monkeypatch, faster):
+    timed = []
+    monkeypatch.setattr(cpu_linear, "one_row_transposed_is_faster", lambda layer: timed.append(layer) or faster)
+    model = make_tiny_model(64, layers=2)
+    cpu_linear.install(model)
+    assert timed == [max((m for m in model.modules() if isinstance(m, torch.nn.Linear)),
+                         key=lambda m: m.weight.numel())]  # timed once, on the largest layer
+    layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert layers and all(m._mtpflow_one_row_transposed is faster for m in layers)
+    with cpu_linear.packed():
+        assert cpu_linear.state(model) == ("packed+t1" if faster else "packed")
+    assert cpu_linear.state(model) == "stock"  # outside a run
