@@ -8,7 +8,7 @@ primitive over a weight packed once into its blocked layout reads the weights on
 (``python -m mtpflow.bench mode=cost`` shows the curve either way; ``model.cpu_linear`` switches it).
 
 For one row, MKL's stock path on that machine was itself slower than a product with a transposed copy of the
-weight (about 7% of a whole one-token forward); ``install`` times both on the model's largest linear and
+weight (7-27% of a whole one-token forward across runs); ``install`` times both on the model's largest linear and
 keeps the faster, so plain decode steps do not lose to ``model.generate`` either.
 
 How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
