@@ -1,4 +1,4 @@
-"""MAL and compression vs the PFS threshold for the medusa and eagle strategies on the default model (docs/heads_sweep.md)."""
+"""MAL and compression vs the PFS threshold for the medusa and eagle strategies (and mtp) on the default model (docs/heads_sweep.md)."""
 import sys, time, json, torch
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent / 'tests'))
 from helpers import make_pipeline
@@ -10,6 +10,9 @@ n = int(sys.argv[1])
 # threshold alone (cost budget off), then the shipped setting: threshold 0.35 plus the cost-aware budget
 configs = [(k, t, "null") for k in ("medusa", "eagle") for t in (0.0, 0.1, 0.2, 0.35, 0.5)]
 configs += [(k, 0.35, "auto") for k in ("medusa", "eagle")]
+configs += [("mtp", 0.35, c) for c in ("null", "auto")]  # Medusa tree + grafted prompt-lookup chain
+if len(sys.argv) > 2:  # only these strategies, e.g. `python docs/heads_sweep.py 48 mtp`
+    configs = [c for c in configs if c[0] in sys.argv[2].split(",")]
 out = []
 for kind, t, costs in configs:
     pipe = make_pipeline(L, kind, f"max_new_tokens={n}", f"strategy.prune.0.threshold={t}",

@@ -16,8 +16,10 @@ from mtpflow.hookspecs import hookimpl
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
 )
+from mtpflow.strategies.hardware import DecayedAcceptance
 from mtpflow.strategies.k_selectors import check_k
-from mtpflow.types import DecodeState, Draft
+from mtpflow.strategies.pld import find_ngram_continuation
+from mtpflow.types import DecodeState, Draft, StepRecord
 
 
 def shipped_heads(model_name: str | None, kind: str) -> Path | None:
@@ -68,12 +70,62 @@ def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_node
     return tokens, parents, node_p, path_p, depths
 
 
+def graft_chain(draft: Draft, chain: list[int], acceptance: float) -> Draft:
+    """``draft`` with a deterministic chain (e.g. a prompt-lookup match) merged in from the root: chain tokens
+    the tree already has are shared, the rest become new nodes. A chain node at depth d scores
+    ``acceptance ** d`` as its path feasibility (a shared node keeps the larger of its two scores, so a
+    parent never scores below its children); ``scores["lookup"]`` marks the chain's nodes and
+    ``scores["grafted"]`` the ones the chain added."""
+    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
+    n = len(tokens)
+    probs = draft.probs.tolist() if draft.probs is not None else [1.0] * n
+    pfs = draft.scores["pfs"].tolist() if "pfs" in draft.scores else [1.0] * n
+    entropy = draft.scores["entropy"].tolist() if "entropy" in draft.scores else [0.0] * n
+    lookup, grafted = [0.0] * n, [0.0] * n
+    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
+    parent, score = -1, 1.0
+    for token in chain:
+        score *= acceptance
+        node = child.get((parent, token))
+        if node is None:
+            sibling = next((i for (p, _), i in child.items() if p == parent), None)
+            node = len(tokens)
+            tokens.append(int(token))
+            parents.append(parent)
+            probs.append(acceptance)
+            pfs.append(score)
+            entropy.append(entropy[sibling] if sibling is not None else (entropy[parent] if parent >= 0 else 0.0))
+            lookup.append(0.0)
+            grafted.append(1.0)
+            child[(parent, int(token))] = node
+        pfs[node] = max(pfs[node], score)
+        lookup[node] = 1.0
+        parent = node
+    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                 probs=torch.tensor(probs, dtype=torch.float32), source=draft.source,
+                 scores={**draft.scores, "pfs": torch.tensor(pfs, dtype=torch.float32),
+                         "entropy": torch.tensor(entropy, dtype=torch.float32),
+                         "lookup": torch.tensor(lookup, dtype=torch.float32),
+                         "grafted": torch.tensor(grafted, dtype=torch.float32)})
+
+
 class MTPHeadsProposer:
     """Drafts a tree with trained heads. ``kind``: medusa or eagle; ``top_k``: candidates per node;
-    ``max_nodes``: tree size before pruning; ``branch`` (eagle): nodes expanded per depth."""
+    ``max_nodes``: tree size before pruning; ``branch`` (eagle): nodes expanded per depth.
+
+    ``lookup`` (null = off, or {min_ngram, max_ngram, max_draft}) also grafts a prompt-lookup chain (the
+    continuation of the latest earlier occurrence of the last n tokens, as in ``pld``) into the tree. Heads
+    predict what the model tends to say; lookup catches what it copies (summaries, edits, quotes), which
+    heads trained on a small vocabulary rarely reach. Lookup nodes score acceptance ** depth, with the
+    acceptance of lookup tokens per matched n-gram length estimated from the run's own verify results, so
+    the PFS pruner weighs them against head nodes on one scale.
+
+    ``adaptive_depth``: draft at most one position deeper than the deepest head node the pruner kept in the
+    previous step. When the cost budget keeps short trees (a CPU, an unsure drafter) this skips EAGLE layer
+    passes whose nodes would be cut anyway; the tree grows back one level per step when they survive."""
 
     def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
-                 branch: int = 4, temperature: float = 1.0):
+                 branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True):
         if kind not in ("medusa", "eagle"):
             raise ConfigError(f"strategy.propose.kind must be medusa or eagle, got {kind!r}")
         self.kind, self.heads_path = kind, heads
@@ -85,7 +137,28 @@ class MTPHeadsProposer:
         if not float(temperature) > 0:
             raise ConfigError(f"strategy.propose.temperature must be > 0, got {temperature!r}")
         self.temperature = float(temperature)
+        if not isinstance(adaptive_depth, bool):
+            raise ConfigError(f"strategy.propose.adaptive_depth must be true or false, got {adaptive_depth!r}")
+        self.adaptive_depth = adaptive_depth
+        self.depth_limit: int | None = None  # set from the previous step's kept tree when adaptive_depth
         self.module = None
+        self.lookup = None
+        if lookup is not None:
+            if not hasattr(lookup, "get"):
+                raise ConfigError(f"strategy.propose.lookup must be null or a mapping, got {lookup!r}")
+            unknown = set(lookup) - {"min_ngram", "max_ngram", "max_draft"}
+            if unknown:
+                raise ConfigError(f"strategy.propose.lookup: unknown keys {sorted(unknown)} "
+                                  "(allowed: min_ngram, max_ngram, max_draft)")
+            lo = check_k("strategy.propose.lookup.min_ngram", lookup.get("min_ngram", 2))
+            hi = check_k("strategy.propose.lookup.max_ngram", lookup.get("max_ngram", 4))
+            if not 1 <= lo <= hi:
+                raise ConfigError(f"strategy.propose.lookup: need 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
+            self.lookup = (lo, hi, check_k("strategy.propose.lookup.max_draft", lookup.get("max_draft", 8)))
+        # acceptance of grafted lookup tokens, per matched n-gram length
+        self.lookup_acceptance: dict[int, DecayedAcceptance] = {}
+        self._lookup_n: int | None = None
+        self.lookup_steps = self.lookup_accepted = 0
 
     @hookimpl
     def on_run_start(self, context):
@@ -118,9 +191,53 @@ class MTPHeadsProposer:
             raise UserError("the mtp_heads proposer was not started (on_run_start did not run)")
         if state.hidden is None:
             raise UserError("the mtp_heads proposer needs hidden states: set needs_hidden_states: true")
-        if isinstance(self.module, MedusaHeads):
-            return self._propose_medusa(state, k)
-        return self._propose_eagle(state, k)
+        depth = k if self.depth_limit is None else max(1, min(k, self.depth_limit))
+        draft = self._propose_medusa(state, depth) if isinstance(self.module, MedusaHeads) else self._propose_eagle(state, depth)
+        self._lookup_n = None
+        if self.lookup is not None:
+            lo, hi, longest = self.lookup
+            context = state.proposer_context()
+            for n in range(hi, lo - 1, -1):  # the longest matching n-gram wins
+                follow = find_ngram_continuation(context, n, n, longest)
+                if follow.numel():
+                    self._lookup_n = n
+                    estimate = self.lookup_acceptance.setdefault(n, DecayedAcceptance(prior=0.6))
+                    return graft_chain(draft, follow.tolist(), min(estimate.value, 0.99))
+        return draft
+
+    @hookimpl
+    def on_step_end(self, record: StepRecord) -> None:
+        """Set the next step's depth limit; learn how often grafted lookup tokens are accepted."""
+        draft = record.draft
+        if self.adaptive_depth and record.num_proposed:
+            heads = draft.scores.get("grafted")
+            depths = draft.depths()
+            if heads is not None and draft.num_nodes:
+                depths = depths[heads < 0.5]
+            self.depth_limit = 1 + (int(depths.max()) if depths.numel() else 0)
+        if self._lookup_n is None:
+            return
+        estimate = self.lookup_acceptance[self._lookup_n]
+        self._lookup_n = None
+        marks = record.draft.scores.get("lookup")
+        drafted = 0 if marks is None else int(marks.sum())
+        if drafted == 0:  # the pruner dropped the whole chain: forget rejections slowly, to try again later
+            estimate.rejected *= estimate.memory
+            return
+        accepted = 0
+        for node in record.decision.accepted.tolist():
+            if marks[node] < 0.5:
+                break
+            accepted += 1
+        estimate.update(accepted, drafted)
+        self.lookup_steps += 1
+        self.lookup_accepted += accepted
+
+    @hookimpl
+    def run_stats(self):
+        if self.lookup is None:
+            return None
+        return {"lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted}
 
     def _draft(self, tokens, parents, node_p, path_p, entropy) -> Draft:
         return Draft(

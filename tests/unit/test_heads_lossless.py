@@ -123,7 +123,7 @@ def test_save_load_round_trip(tiny, tmp_path):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])
 def test_shipped_heads_match_hf_greedy(default_loaded, kind):
     from mtpflow.model import encode_prompt
 
@@ -136,3 +136,58 @@ def test_shipped_heads_match_hf_greedy(default_loaded, kind):
         assert result.token_ids == hf_greedy(default_loaded.model, ids, 48)
         mal.append(result.stats["mal"])
     assert max(mal) > 1.1  # trained heads really are accepted (untrained ones stay near 1.0)
+
+
+def test_graft_chain_shares_prefixes_and_keeps_parents_first():
+    from mtpflow.strategies.mtp_heads import graft_chain
+    from mtpflow.types import Draft
+
+    # tree: 10 -> (20, 21), 20 -> 30; pfs 0.5, 0.2, 0.1, 0.25
+    tree = Draft(torch.tensor([10, 20, 21, 30]), torch.tensor([-1, 0, 0, 1]),
+                 probs=torch.tensor([0.5, 0.4, 0.2, 0.5]),
+                 scores={"pfs": torch.tensor([0.5, 0.2, 0.1, 0.1]), "entropy": torch.tensor([0.3, 0.4, 0.4, 0.5])})
+    out = graft_chain(tree, [10, 21, 40, 50], acceptance=0.8)
+    assert out.tokens.tolist() == [10, 20, 21, 30, 40, 50]
+    assert out.parents.tolist() == [-1, 0, 0, 1, 2, 4]
+    pfs = out.scores["pfs"].tolist()
+    assert pfs[0] == pytest.approx(0.8) and pfs[2] == pytest.approx(0.64)  # shared nodes take the larger score
+    assert pfs[1] == pytest.approx(0.2) and pfs[3] == pytest.approx(0.1)  # heads-only nodes are untouched
+    assert pfs[4] == pytest.approx(0.8 ** 3) and pfs[5] == pytest.approx(0.8 ** 4)
+    assert out.scores["lookup"].tolist() == [1, 0, 1, 0, 1, 1]
+    assert all(pfs[i] <= pfs[p] for i, p in enumerate(out.parents.tolist()) if p >= 0)
+    assert out.scores["entropy"][4] == pytest.approx(0.4)  # from the parent: no sibling at that depth
+    # a chain that diverges at the root becomes a new root child
+    other = graft_chain(tree, [11], acceptance=0.5)
+    assert other.tokens.tolist()[-1] == 11 and other.parents.tolist()[-1] == -1
+    assert other.scores["entropy"][-1] == pytest.approx(0.3)  # from a sibling
+    assert graft_chain(tree, [], acceptance=0.9).tokens.tolist() == tree.tokens.tolist()
+
+
+def test_heads_with_lookup_match_hf_greedy(tiny, tmp_path):
+    """Medusa tree + grafted prompt-lookup chain (the ``mtp`` strategy's drafter) on repetitive prompts: same
+    tokens as HF greedy, and lookup tokens really are drafted and accepted."""
+    folder = random_heads(tiny, "medusa", tmp_path / "m")
+    steps = accepted = 0
+    for i, ids in enumerate(prompts(len(tiny.tokenizer), 6, seed=4)):
+        pipe = make_pipeline(tiny, "mtp", "max_new_tokens=40", f"strategy.propose.heads={folder}",
+                             "strategy.prune.0.threshold=0.0", "strategy.prune.0.costs=null",
+                             "strategy.propose.lookup.min_ngram=1")
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(tiny.model, ids, 40), f"prompt {i}"
+        steps += result.stats["lookup_steps"]
+        accepted += result.stats["lookup_accepted"]
+    assert steps > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("bad", [{"max_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}, {"window": 3}, 7])
+def test_bad_lookup_settings_are_config_errors(bad):
+    from mtpflow.errors import ConfigError
+    from mtpflow.strategies.mtp_heads import MTPHeadsProposer
+
+    with pytest.raises(ConfigError, match="lookup"):
+        MTPHeadsProposer(lookup=bad)
+
+
+def test_bad_lookup_override_is_one_clear_error(tiny):
+    with pytest.raises(UserError, match="lookup"):
+        make_pipeline(tiny, "mtp", "strategy.propose.lookup.max_ngram=0")
