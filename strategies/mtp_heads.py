@@ -75,7 +75,8 @@ def graft_chain(draft: Draft, chain: list[int], acceptance: float) -> Draft:
     the tree already has are shared, the rest become new nodes. A chain node at depth d scores
     ``acceptance ** d`` as its path feasibility (a shared node keeps the larger of its two scores, so a
     parent never scores below its children); ``scores["lookup"]`` marks the chain's nodes and
-    ``scores["grafted"]`` the ones the chain added."""
+    ``scores["grafted"]`` the ones the chain added; both chain marks also go to ``scores["calibrated"]``
+    (``acceptance`` is learned from the run, so the PFS pruner takes these scores as they are)."""
     tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
     n = len(tokens)
     probs = draft.probs.tolist() if draft.probs is not None else [1.0] * n
@@ -106,7 +107,8 @@ def graft_chain(draft: Draft, chain: list[int], acceptance: float) -> Draft:
                  scores={**draft.scores, "pfs": torch.tensor(pfs, dtype=torch.float32),
                          "entropy": torch.tensor(entropy, dtype=torch.float32),
                          "lookup": torch.tensor(lookup, dtype=torch.float32),
-                         "grafted": torch.tensor(grafted, dtype=torch.float32)})
+                         "grafted": torch.tensor(grafted, dtype=torch.float32),
+                         "calibrated": torch.tensor(lookup, dtype=torch.float32)})
 
 
 class MTPHeadsProposer:

@@ -50,6 +50,10 @@ class PFSPruner:
     (1 + c * sum of their PFS) / cost(N), where cost is the measured verify-cost curve and c a running
     calibration (accepted tokens / predicted sum of PFS, decayed) that corrects over- or under-confident
     drafters.
+
+    Nodes a proposer marks in ``draft.scores["calibrated"]`` carry a PFS that already is an acceptance
+    estimate learned from the run (e.g. the prompt-lookup chain ``mtp`` grafts into its head tree): they skip
+    the entropy threshold, are not scaled by c, and do not feed c; only the budgets apply to them.
     """
 
     def __init__(self, threshold: float = 0.35, adapt: float = 2.0, reference_entropy: float = 0.15,
@@ -91,31 +95,44 @@ class PFSPruner:
             return None
         return {"pfs_calibration": round(self.calibration, 4), "pfs_cost_cut_nodes": self.cost_cut_nodes}
 
-    def cost_budget(self, pfs: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """``keep`` narrowed to the highest-PFS nodes worth their verify cost (see the class docstring)."""
+    def values(self, pfs: torch.Tensor, calibrated: torch.Tensor | None) -> torch.Tensor:
+        """Expected accepted tokens per node: c * PFS, or PFS itself for calibrated nodes."""
+        c = self.calibration if self.curve is not None else 1.0
+        scaled = pfs.double() * c
+        return scaled if calibrated is None else torch.where(calibrated, pfs.double(), scaled)
+
+    def cost_budget(self, pfs: torch.Tensor, keep: torch.Tensor, calibrated: torch.Tensor | None = None) -> torch.Tensor:
+        """``keep`` narrowed to the highest-value nodes worth their verify cost (see the class docstring)."""
         idx = keep.nonzero().flatten()
         if idx.numel() == 0:
             self._last_predicted = 0.0
             return keep
+        value = self.values(pfs, calibrated)
         # stable sort: ties keep node order, so a parent (PFS >= its children's) comes first
-        order = idx[torch.sort(pfs[idx], descending=True, stable=True).indices]
-        gains = torch.cumsum(pfs[order].double(), 0).tolist()
-        c = self.calibration
+        order = idx[torch.sort(value[idx], descending=True, stable=True).indices]
+        gains = torch.cumsum(value[order], 0).tolist()
         best_n = max(range(len(gains) + 1),
-                     key=lambda n: ((1.0 + c * (gains[n - 1] if n else 0.0)) / self.curve(n), -n))
+                     key=lambda n: ((1.0 + (gains[n - 1] if n else 0.0)) / self.curve(n), -n))
         out = torch.zeros_like(keep)
         out[order[:best_n]] = True
         self.cost_cut_nodes += int(idx.numel()) - best_n
-        self._last_predicted = gains[best_n - 1] if best_n else 0.0
+        raw = pfs.double() if calibrated is None else torch.where(calibrated, 0.0, pfs.double())
+        self._last_predicted = float(raw[out].sum())  # what c should correct: the uncalibrated nodes only
         return out
 
     @hookimpl
     def on_step_end(self, record) -> None:
         if self.curve is None or self._last_predicted is None:
             return
-        if record.draft.num_nodes:
-            self._predicted = self.decay * self._predicted + self._last_predicted
-            self._accepted = self.decay * self._accepted + record.decision.num_accepted
+        draft = record.draft
+        if draft.num_nodes:
+            accepted = record.decision.accepted
+            calibrated = draft.scores.get("calibrated")
+            if calibrated is not None:
+                accepted = accepted[calibrated[accepted] < 0.5]
+            if self._last_predicted > 0 or accepted.numel():
+                self._predicted = self.decay * self._predicted + self._last_predicted
+                self._accepted = self.decay * self._accepted + int(accepted.numel())
         self._last_predicted = None
 
     def step_threshold(self, entropy: float | None) -> float:
@@ -135,6 +152,17 @@ class PFSPruner:
                                   self.max_nodes)
         else:
             pfs, keep = pfs_prune(draft.probs, draft.parents, self.last_threshold, self.max_nodes)
+        pfs, keep = pfs.cpu(), keep.cpu()
+        calibrated = draft.scores.get("calibrated")
+        if calibrated is not None:
+            calibrated = calibrated.cpu() > 0.5
+            keep = keep | calibrated  # no threshold for them; the node budget again over the union
+            if int(keep.sum()) > self.max_nodes:
+                idx = keep.nonzero().flatten()
+                value = self.values(pfs, calibrated)
+                top = idx[torch.sort(value[idx], descending=True, stable=True).indices[: self.max_nodes]]
+                keep = torch.zeros_like(keep)
+                keep[top] = True
         if self.curve is not None:
-            keep = self.cost_budget(pfs.cpu(), keep.cpu())
+            keep = self.cost_budget(pfs, keep, calibrated)
         return keep

@@ -121,11 +121,39 @@ def test_pfs_calibration_follows_acceptance():
 
     from mtpflow.strategies.pfs import PFSPruner
 
+    import torch
+
     pruner = PFSPruner(threshold=0.0, costs=FLAT)
     draft = tree_draft()
+    none = SimpleNamespace(accepted=torch.zeros(0, dtype=torch.long))
     for _ in range(30):  # the drafter promises ~2 tokens a step and delivers none
         pruner.prune(None, draft)
-        pruner.on_step_end(SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=0)))
+        pruner.on_step_end(SimpleNamespace(draft=draft, decision=none))
     assert pruner.calibration < 0.1
     with pytest.raises(ConfigError):
         PFSPruner(costs={2: 1.0})
+
+
+def test_pfs_calibrated_nodes_skip_threshold_and_scaling():
+    """Nodes marked calibrated (a learned acceptance, like mtp's grafted lookup chain) pass the entropy
+    threshold, are valued at their own PFS rather than c * PFS, and do not move c."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from mtpflow.strategies.pfs import PFSPruner
+    from mtpflow.types import Draft
+
+    # heads node 0 (pfs .9, uncalibrated), lookup chain 1 -> 2 (pfs .3, .27, calibrated)
+    draft = Draft(torch.tensor([3, 4, 5]), torch.tensor([-1, -1, 1]), probs=torch.tensor([0.9, 0.3, 0.9]),
+                  scores={"pfs": torch.tensor([0.9, 0.3, 0.27]), "calibrated": torch.tensor([0.0, 1.0, 1.0])})
+    assert PFSPruner(threshold=0.5, adapt=0.0).prune(None, draft).tolist() == [True, True, True]
+    assert PFSPruner(threshold=0.5, adapt=0.0, max_nodes=2).prune(None, draft).tolist() == [True, True, False]
+    pruner = PFSPruner(threshold=0.0, adapt=0.0, costs={0: 1.0, 1: 1.2, 2: 1.4, 3: 1.6})
+    pruner._accepted, pruner._predicted = 0.1, 1.0  # heads promise 10x what they deliver: c = 0.1
+    # values: .09 for the heads node, .3 and .27 for the chain: keep the chain, drop the heads node
+    assert pruner.prune(None, draft).tolist() == [False, True, True]
+    assert pruner._last_predicted == 0.0  # nothing uncalibrated kept: c is not updated
+    kept = draft.subset(torch.tensor([False, True, True]))
+    pruner.on_step_end(SimpleNamespace(draft=kept, decision=SimpleNamespace(accepted=torch.tensor([0, 1]))))
+    assert pruner.calibration == pytest.approx(0.1)
