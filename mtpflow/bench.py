@@ -212,8 +212,9 @@ def plot_speedups(table, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     data = table[table["strategy"] != "hf_generate"].pivot(index="class", columns="strategy", values="speedup_vs_hf")
-    ax = data.plot.bar(figsize=(9, 4.5), rot=0)
+    ax = data.plot.bar(figsize=(10, 4.5), rot=0)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.legend(title="strategy", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
     ax.set_ylabel("speedup vs HF generate (greedy)")
     ax.set_title("mtpflow strategies vs plain HF generate, same process")
     plt.tight_layout()
