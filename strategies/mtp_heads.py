@@ -193,14 +193,14 @@ class MTPHeadsProposer:
             raise UserError("the mtp_heads proposer was not started (on_run_start did not run)")
         if state.hidden is None:
             raise UserError("the mtp_heads proposer needs hidden states: set needs_hidden_states: true")
-        depth = k if self.depth_limit is None else max(1, min(k, self.depth_limit))
+        depth = k if self.depth_limit is None else min(k, max(1, self.depth_limit))
         draft = self._propose_medusa(state, depth) if isinstance(self.module, MedusaHeads) else self._propose_eagle(state, depth)
         self._lookup_n = None
         if self.lookup is not None:
             lo, hi, longest = self.lookup
             context = state.proposer_context()
             for n in range(hi, lo - 1, -1):  # the longest matching n-gram wins
-                follow = find_ngram_continuation(context, n, n, longest)
+                follow = find_ngram_continuation(context, n, n, min(longest, k))
                 if follow.numel():
                     self._lookup_n = n
                     estimate = self.lookup_acceptance.setdefault(n, DecayedAcceptance(prior=0.6))
