@@ -172,7 +172,7 @@ class DecodeLoop:
             if draft.num_nodes:
                 masks = [m for m in hook.prune(state=state, draft=draft) if m is not None]
                 if masks:
-                    keep = torch.stack([m.bool() for m in masks]).all(0)
+                    keep = torch.stack([m.bool().cpu() for m in masks]).all(0)  # drafts live on the CPU
                     keep = _close_under_ancestors(keep, draft.parents)
                     if not bool(keep.all()):
                         draft = draft.subset(keep)

@@ -192,6 +192,10 @@ class DecayedAcceptance:
         self.accepted = self.memory * self.accepted + accepted
         self.rejected = self.memory * self.rejected + (1 if accepted < drafted_depth else 0)
 
+    def forget_rejections(self) -> None:
+        """A step where the draft was not tried: rejections fade a little, so a skipped drafter retries."""
+        self.rejected *= self.memory
+
 
 def _check_k_or_auto(name: str, value) -> int | str:
     return AUTO if value == AUTO else check_k(name, value)

@@ -224,7 +224,7 @@ class MTPHeadsProposer:
         marks = record.draft.scores.get("lookup")
         drafted = 0 if marks is None else int(marks.sum())
         if drafted == 0:  # the pruner dropped the whole chain: forget rejections slowly, to try again later
-            estimate.rejected *= estimate.memory
+            estimate.forget_rejections()
             return
         accepted = 0
         for node in record.decision.accepted.tolist():

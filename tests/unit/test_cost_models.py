@@ -157,3 +157,20 @@ def test_pfs_calibrated_nodes_skip_threshold_and_scaling():
     kept = draft.subset(torch.tensor([False, True, True]))
     pruner.on_step_end(SimpleNamespace(draft=kept, decision=SimpleNamespace(accepted=torch.tensor([0, 1]))))
     assert pruner.calibration == pytest.approx(0.1)
+
+
+def test_decayed_acceptance_learns_and_forgets_rejections():
+    from mtpflow.strategies.hardware import DecayedAcceptance
+
+    est = DecayedAcceptance(prior=0.5, memory=0.9, prior_weight=2.0)
+    assert est.value == pytest.approx(0.5)
+    for _ in range(20):  # every draft of 4 rejected at its first token
+        est.update(0, 4)
+    low = est.value
+    assert low < 0.15
+    for _ in range(20):  # drafts not tried: rejections fade, so the drafter is tried again
+        est.forget_rejections()
+    assert est.value > 3 * low
+    for _ in range(20):  # fully accepted 4-token drafts
+        est.update(4, 4)
+    assert est.value > 0.9
