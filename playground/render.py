@@ -46,6 +46,8 @@ def token_tooltip(t: TokenView) -> str:
     lines = [f"{KIND_LABELS.get(t.kind, t.kind)} ({where}{depth}), token id {t.token_id}",
              f"draft p = {_fmt(t.draft_prob)}   target p = {_fmt(t.target_prob)}",
              f"PFS = {_fmt(t.pfs)}   gate score = {_fmt(t.gate_score)}"]
+    if t.origin:
+        lines.append(f"drafted by {t.origin}")
     return "\n".join(lines)
 
 

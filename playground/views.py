@@ -22,6 +22,7 @@ class TokenView:
     target_prob: float | None = None
     pfs: float | None = None
     gate_score: float | None = None
+    origin: str | None = None  # which drafter proposed an accepted token (e.g. "heads", "prompt lookup")
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,17 @@ def _item(values, index: int) -> float | None:
     return float(values[index])
 
 
+def node_origin(draft, node: int) -> str:
+    """Which drafter proposed draft node ``node``: for ``mtp``'s head tree with a grafted lookup chain,
+    "heads", "prompt lookup" or "heads + lookup" (both drafted it); else the proposer's name."""
+    lookup, grafted = draft.scores.get("lookup"), draft.scores.get("grafted")
+    if lookup is None or grafted is None:
+        return draft.source or "draft"
+    if float(grafted[node]) > 0.5:
+        return "prompt lookup"
+    return "heads + lookup" if float(lookup[node]) > 0.5 else "heads"
+
+
 def step_tokens(record: StepRecord | None, emitted: list[int], detok: IncrementalDetokenizer) -> list[TokenView]:
     """TokenViews for the tokens one ``on_step`` callback committed (``record`` is None for the prefill token)."""
     if record is None:
@@ -128,6 +140,7 @@ def step_tokens(record: StepRecord | None, emitted: list[int], detok: Incrementa
             target_prob=None if target_prob is None else float(target_prob),
             pfs=None if node is None else _item(pfs, node),
             gate_score=None if node is None else _item(decision.gate_scores, node),
+            origin=None if node is None else node_origin(draft, node),
         ))
     return views
 

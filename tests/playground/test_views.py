@@ -74,13 +74,15 @@ def test_pane_html_colors_tokens_and_escapes_text():
     from mtpflow.playground.views import RejectedDraft, TokenView
 
     side.tokens = [TokenView(1, "<b>", PLAIN, -1), TokenView(2, " ok", ACCEPTED, 0, depth=1, draft_prob=0.5,
-                                                                 target_prob=0.9, pfs=0.4, gate_score=0.9),
+                                                                 target_prob=0.9, pfs=0.4, gate_score=0.9,
+                                                                 origin="prompt lookup"),
                    TokenView(3, "!", RECOVERED, 0, target_prob=0.7)]
     side.steps = [StepView(0, 4, 3, 3, 1, 2, max_depth=3, rejected=(RejectedDraft(2, "?", "rejected", 0.2, 0.1),))]
     out = render.pane_html(side, show_rejected=True)
     assert "&lt;b&gt;" in out and "<b>" not in out
     assert 'class="tok tok-accepted"' in out and 'class="tok tok-recovered"' in out
     assert "PFS = 0.400" in out and "gate score = 0.900" in out and "draft p = 0.500" in out
+    assert "drafted by prompt lookup" in out
     assert out.index('class="rej"') < out.index("tok-recovered")  # refused drafts sit before the recovered token
     assert 'class="rej"' not in render.pane_html(side, show_rejected=False)
 
@@ -143,3 +145,17 @@ def test_history_rebuilds_the_live_view(tiny, live):
     assert again.stats["new_tokens"] == side.stats["new_tokens"]
     with pytest.raises(KeyError):
         history.side_from_trace(store, 10_000)
+
+
+def test_node_origin_tells_heads_from_lookup():
+    import torch
+
+    from mtpflow.playground.views import node_origin
+    from mtpflow.strategies.mtp_heads import graft_chain
+    from mtpflow.types import Draft
+
+    tree = Draft(torch.tensor([10, 20]), torch.tensor([-1, 0]), probs=torch.tensor([0.5, 0.5]),
+                 source="mtp_heads:medusa", scores={"pfs": torch.tensor([0.5, 0.25])})
+    merged = graft_chain(tree, [10, 30], acceptance=0.8)  # shares 10, adds 30
+    assert [node_origin(merged, i) for i in range(3)] == ["heads + lookup", "heads", "prompt lookup"]
+    assert node_origin(tree, 0) == "mtp_heads:medusa"
