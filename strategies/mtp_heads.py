@@ -18,7 +18,7 @@ from mtpflow.strategies.head_modules import (
 )
 from mtpflow.strategies.hardware import DecayedAcceptance
 from mtpflow.strategies.k_selectors import check_k
-from mtpflow.strategies.pld import find_ngram_continuation
+from mtpflow.strategies.pld import longest_ngram_match
 from mtpflow.types import DecodeState, Draft, StepRecord
 
 
@@ -198,13 +198,11 @@ class MTPHeadsProposer:
         self._lookup_n = None
         if self.lookup is not None:
             lo, hi, longest = self.lookup
-            context = state.proposer_context()
-            for n in range(hi, lo - 1, -1):  # the longest matching n-gram wins
-                follow = find_ngram_continuation(context, n, n, min(longest, k))
-                if follow.numel():
-                    self._lookup_n = n
-                    estimate = self.lookup_acceptance.setdefault(n, DecayedAcceptance(prior=0.6))
-                    return graft_chain(draft, follow.tolist(), min(estimate.value, 0.99))
+            n, follow = longest_ngram_match(state.proposer_context(), lo, hi, min(longest, k))
+            if n is not None:
+                self._lookup_n = n
+                estimate = self.lookup_acceptance.setdefault(n, DecayedAcceptance(prior=0.6))
+                return graft_chain(draft, follow.tolist(), min(estimate.value, 0.99))
         return draft
 
     @hookimpl

@@ -21,6 +21,16 @@ def find_ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: in
     return ngram_continuation(context, min_ngram, max_ngram, k)
 
 
+def longest_ngram_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
+    """(n, continuation) for the longest suffix n-gram (max_ngram down to min_ngram) with an earlier match,
+    or (None, empty) when nothing matches; ``find_ngram_continuation`` without telling n."""
+    for n in range(max_ngram, min_ngram - 1, -1):
+        follow = find_ngram_continuation(context, n, n, k)
+        if follow.numel():
+            return n, follow
+    return None, context.new_zeros(0)
+
+
 class PromptLookupProposer:
     """n-gram lookup over prompt + output; a chain of up to K tokens, or nothing when no n-gram matches.
 
@@ -73,19 +83,18 @@ class PromptLookupProposer:
         self.last_match = None
         if self.curve is None:
             return Draft.chain(find_ngram_continuation(context, self.min_ngram, self.max_ngram, k), "prompt_lookup")
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):  # longest match first
-            follow = find_ngram_continuation(context, n, n, k)
-            if follow.numel():
-                # how many of the matched tokens pay for their verify cost (0: skip this match)
-                length = self.curve.best_length(min(self.acceptance(n), 0.999), int(follow.numel()))
-                if length == 0:
-                    self.evidence[n][1] *= self.decay  # forget rejections slowly, to try again later
-                    self.skipped += 1
-                    return Draft.empty("prompt_lookup")
-                self.trimmed += length < follow.numel()
-                self.last_match = n
-                return Draft.chain(follow[:length], source="prompt_lookup")
-        return Draft.empty("prompt_lookup")
+        n, follow = longest_ngram_match(context, self.min_ngram, self.max_ngram, k)
+        if n is None:
+            return Draft.empty("prompt_lookup")
+        # how many of the matched tokens pay for their verify cost (0: skip this match)
+        length = self.curve.best_length(min(self.acceptance(n), 0.999), int(follow.numel()))
+        if length == 0:
+            self.evidence[n][1] *= self.decay  # forget rejections slowly, to try again later
+            self.skipped += 1
+            return Draft.empty("prompt_lookup")
+        self.trimmed += length < follow.numel()
+        self.last_match = n
+        return Draft.chain(follow[:length], source="prompt_lookup")
 
     @hookimpl
     def on_step_end(self, record: StepRecord) -> None:
