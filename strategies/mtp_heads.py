@@ -16,9 +16,8 @@ from mtpflow.hookspecs import hookimpl
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
 )
-from mtpflow.strategies.hardware import DecayedAcceptance
 from mtpflow.strategies.k_selectors import check_k
-from mtpflow.strategies.pld import longest_ngram_match
+from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
 from mtpflow.types import DecodeState, Draft, StepRecord
 
 
@@ -145,6 +144,7 @@ class MTPHeadsProposer:
         self.depth_limit: int | None = None  # set from the previous step's kept tree when adaptive_depth
         self.module = None
         self.lookup = None
+        self.lookup_acceptance = {}  # per matched n-gram length, as in pld
         if lookup is not None:
             if not hasattr(lookup, "get"):
                 raise ConfigError(f"strategy.propose.lookup must be null or a mapping, got {lookup!r}")
@@ -157,8 +157,7 @@ class MTPHeadsProposer:
             if not 1 <= lo <= hi:
                 raise ConfigError(f"strategy.propose.lookup: need 1 <= min_ngram <= max_ngram, got {lo}, {hi}")
             self.lookup = (lo, hi, check_k("strategy.propose.lookup.max_draft", lookup.get("max_draft", 8)))
-        # acceptance of grafted lookup tokens, per matched n-gram length
-        self.lookup_acceptance: dict[int, DecayedAcceptance] = {}
+            self.lookup_acceptance = lookup_acceptance(lo, hi, memory=0.9)
         self._lookup_n: int | None = None
         self.lookup_steps = self.lookup_accepted = 0
 
@@ -201,8 +200,7 @@ class MTPHeadsProposer:
             n, follow = longest_ngram_match(state.proposer_context(), lo, hi, min(longest, k))
             if n is not None:
                 self._lookup_n = n
-                estimate = self.lookup_acceptance.setdefault(n, DecayedAcceptance(prior=0.6))
-                return graft_chain(draft, follow.tolist(), min(estimate.value, 0.99))
+                return graft_chain(draft, follow.tolist(), min(self.lookup_acceptance[n].value, 0.99))
         return draft
 
     @hookimpl

@@ -9,7 +9,7 @@ import torch
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import ngram_continuation
-from mtpflow.strategies.hardware import AUTO, CostCurve, check_costs, load_verify_costs
+from mtpflow.strategies.hardware import AUTO, CostCurve, DecayedAcceptance, check_costs, load_verify_costs
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 
@@ -19,6 +19,14 @@ def find_ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: in
     (n from max_ngram down to min_ngram); empty when nothing matches. Runs the ``mtpflow.kernels`` n-gram
     match (Triton kernel or torch reference, per the ``kernels`` setting)."""
     return ngram_continuation(context, min_ngram, max_ngram, k)
+
+
+LOOKUP_PRIOR = 2 / 3  # prior per-token acceptance of a lookup draft: optimistic, so drafting starts
+
+
+def lookup_acceptance(min_ngram: int, max_ngram: int, memory: float) -> dict[int, DecayedAcceptance]:
+    """One acceptance estimate per matched n-gram length (longer matches are accepted more often)."""
+    return {n: DecayedAcceptance(LOOKUP_PRIOR, memory) for n in range(min_ngram, max_ngram + 1)}
 
 
 def longest_ngram_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
@@ -54,15 +62,13 @@ class PromptLookupProposer:
         self.decay = float(check_range("strategy.propose.decay", decay, 0, 1))
         self.cost_mode = check_costs(costs)
         self.curve: CostCurve | None = None if self.cost_mode in (None, AUTO) else CostCurve(self.cost_mode)
-        # per matched n: [accepted tokens, rejection events], decayed; optimistic prior so drafting starts
-        self.evidence = {n: [2.0, 1.0] for n in range(self.min_ngram, self.max_ngram + 1)}
+        self.estimates = lookup_acceptance(self.min_ngram, self.max_ngram, self.decay)
         self.last_match: int | None = None
         self.skipped = 0
         self.trimmed = 0  # drafts cut shorter than the match by the cost model
 
     def acceptance(self, n: int) -> float:
-        accepted, rejected = self.evidence[n]
-        return accepted / (accepted + rejected)
+        return self.estimates[n].value
 
     @hookimpl
     def on_run_start(self, context) -> dict[str, Any] | None:
@@ -89,7 +95,7 @@ class PromptLookupProposer:
         # how many of the matched tokens pay for their verify cost (0: skip this match)
         length = self.curve.best_length(min(self.acceptance(n), 0.999), int(follow.numel()))
         if length == 0:
-            self.evidence[n][1] *= self.decay  # forget rejections slowly, to try again later
+            self.estimates[n].forget_rejections()  # so it tries again later
             self.skipped += 1
             return Draft.empty("prompt_lookup")
         self.trimmed += length < follow.numel()
@@ -100,8 +106,4 @@ class PromptLookupProposer:
     def on_step_end(self, record: StepRecord) -> None:
         if self.last_match is None or record.draft.num_nodes == 0:
             return
-        evidence = self.evidence[self.last_match]
-        accepted = record.decision.num_accepted
-        evidence[0] = self.decay * evidence[0] + accepted
-        evidence[1] = self.decay * evidence[1] + (accepted < record.draft.num_nodes)
-
+        self.estimates[self.last_match].update(record.decision.num_accepted, record.draft.num_nodes)
