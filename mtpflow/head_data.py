@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from importlib import resources
 from pathlib import Path
 
@@ -15,16 +16,30 @@ from tqdm import tqdm
 from mtpflow.errors import UserError
 
 
+SHIPPED_PROMPTS = ("head_train_prompts.jsonl", "domain_prompts.jsonl")
+
+
+def _read_prompts(text: str) -> list[str]:
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [r["prompt"] if "prompt" in r else r["text"] for r in rows]
+
+
 def load_prompts(path: str | None = None) -> list[str]:
-    """Training prompts (JSONL with a ``prompt`` field); default: ``mtpflow/data/head_train_prompts.jsonl``."""
+    """Training prompts (JSONL with a ``prompt`` or ``text`` field). Default: the shipped head-training prompts
+    (271, the benchmark's four classes) and the domain prompts (1,189 user questions in five domains), in one
+    seeded shuffle so every batch mixes them."""
     if path:
         p = Path(path).expanduser()
         if not p.exists():
             raise UserError(f"prompt file not found: {p}")
-        text = p.read_text(encoding="utf-8")
+        try:
+            prompts = _read_prompts(p.read_text(encoding="utf-8"))
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{p}: every line must be a JSON object with a 'prompt' or 'text' field") from None
     else:
-        text = resources.files("mtpflow.data").joinpath("head_train_prompts.jsonl").read_text(encoding="utf-8")
-    prompts = [json.loads(line)["prompt"] for line in text.splitlines() if line.strip()]
+        data = resources.files("mtpflow.data")
+        prompts = [q for name in SHIPPED_PROMPTS for q in _read_prompts(data.joinpath(name).read_text(encoding="utf-8"))]
+        random.Random(0).shuffle(prompts)
     if not prompts:
         raise UserError("the training prompt file has no prompts")
     return prompts

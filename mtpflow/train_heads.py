@@ -69,6 +69,25 @@ def pick_draft_vocab(records: list[dict], size: int, vocab: int) -> torch.Tensor
     return order[:size].sort().values
 
 
+def split_by_prompt(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held_out, train): the sequences of about ``fraction`` of the distinct prompts are held out, so the
+    held-out accuracy measures prompts the heads never saw (each prompt is sampled several times, and a
+    split by sequence let the heads score on text they had memorised). With a single prompt, both are all
+    records."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(tuple(r["tokens"][: r["prompt_len"]].tolist()), []).append(r)
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    if len(keys) < 2:
+        return records, records
+    n_held = max(1, round(len(keys) * fraction))
+    held = [r for k in keys[:n_held] for r in groups[k]]
+    train = [r for k in keys[n_held:] for r in groups[k]]
+    random.Random(seed).shuffle(train)
+    return held, train
+
+
 def medusa_examples(records: list[dict], num_heads: int, index: torch.Tensor):
     """(hidden [N, h] fp16, labels [N, num_heads]): head i at input j learns the model's choice after input
     j + 1 + i, i.e. the token at j + 2 + i; -100 where the sequence ends or the token is outside the draft
@@ -87,6 +106,23 @@ def medusa_examples(records: list[dict], num_heads: int, index: torch.Tensor):
     return torch.cat(xs), torch.cat(ys)
 
 
+class Checkpoint:
+    """The weights with the best held-out score seen so far (early stopping: self-distilled data is small and
+    the heads memorise it, so the last step is often not the best one on unseen prompts)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.state, self.step, self.score, self.metrics = module, None, 0, float("-inf"), []
+
+    def offer(self, step: int, score: float, metrics: list[float]) -> None:
+        if score > self.score:
+            self.step, self.score, self.metrics = step, score, metrics
+            self.state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def restore(self) -> None:
+        if self.state is not None:
+            self.module.load_state_dict(self.state)
+
+
 def head_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     valid = labels >= 0
     return float((logits.argmax(-1) == labels)[valid].float().mean()) if bool(valid.any()) else 0.0
@@ -98,13 +134,22 @@ def train_medusa(cfg, records, held_out, lm, index, hidden, seed) -> tuple[Medus
     heads = MedusaHeads(hidden, k)
     x, y = medusa_examples(records, k, index)
     xv, yv = medusa_examples(held_out, k, index)
-    opt = torch.optim.AdamW(heads.parameters(), lr=float(cfg.lr), weight_decay=0.0)
+    opt = torch.optim.AdamW(heads.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
     steps, batch = int(cfg.steps), int(cfg.batch_tokens)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(cfg.lr), total_steps=max(steps, 1), pct_start=0.05)
     weights = torch.tensor([float(cfg.head_decay) ** i for i in range(k)])
     g = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def evaluate() -> list[float]:
+        heads.eval()
+        feats = heads(xv[:4096].float())
+        heads.train()
+        return [round(head_accuracy(lm(feats[i]), yv[:4096, i]), 4) for i in range(k)]
+
+    best = Checkpoint(heads)
     bar = tqdm(range(steps), desc="train medusa heads", unit="step")
-    for _ in bar:
+    for step in bar:
         pick = torch.randint(0, x.shape[0], (batch,), generator=g)
         feats = heads(x[pick].float())  # [k, B, h]
         loss = sum(weights[i] * F.cross_entropy(lm(feats[i]), y[pick, i], ignore_index=-100) for i in range(k))
@@ -112,11 +157,12 @@ def train_medusa(cfg, records, held_out, lm, index, hidden, seed) -> tuple[Medus
         loss.backward()
         opt.step()
         sched.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
-    with torch.no_grad():
-        feats = heads(xv[:4096].float())
-        acc = [round(head_accuracy(lm(feats[i]), yv[:4096, i]), 4) for i in range(k)]
-    return heads.eval(), {"train_examples": int(x.shape[0]), "held_out_top1": acc}
+        bar.set_postfix(loss=f"{loss.item():.3f}", best=f"{best.score:.3f}")
+        if (step + 1) % int(cfg.eval_every) == 0 or step + 1 == steps:
+            acc = evaluate()
+            best.offer(step + 1, sum(w * a for w, a in zip(weights.tolist(), acc)) / float(weights.sum()), acc)
+    best.restore()
+    return heads.eval(), {"train_examples": int(x.shape[0]), "held_out_top1": best.metrics, "best_step": best.step}
 
 
 def eagle_batch(records, length, g, embed, index, noise):
@@ -151,12 +197,23 @@ def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple
     heads = int(cfg.attention_heads) or default_attention_heads(hidden)
     layer_cfg = {"attention_heads": heads, "intermediate_size": int(cfg.intermediate_size), "window": int(cfg.window)}
     drafter = EagleDrafter(hidden, heads, int(cfg.intermediate_size), int(cfg.window))
-    opt = torch.optim.AdamW(drafter.parameters(), lr=float(cfg.lr), weight_decay=0.0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
     steps = int(cfg.steps)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(cfg.lr), total_steps=max(steps, 1), pct_start=0.05)
     g = torch.Generator().manual_seed(seed)
+    held = eagle_batch(held_out[:64], int(cfg.sequence_length), torch.Generator().manual_seed(seed + 1), embed, index, 0.0)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        f, e, _, lab, m, pos = held
+        drafter.eval()
+        logits = lm(drafter(f, e, pos))
+        drafter.train()
+        return round(head_accuracy(logits, torch.where(m > 0, lab, torch.full_like(lab, -100))), 4)
+
+    best = Checkpoint(drafter)
     bar = tqdm(range(steps), desc="train eagle layer", unit="step")
-    for _ in bar:
+    for step in bar:
         sample = [records[int(torch.randint(0, len(records), (1,), generator=g))] for _ in range(int(cfg.batch_sequences))]
         f, e, tgt, lab, m, pos = eagle_batch(sample, int(cfg.sequence_length), g, embed, index, float(cfg.noise))
         out = drafter(f, e, pos)
@@ -168,14 +225,12 @@ def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple
         loss.backward()
         opt.step()
         sched.step()
-        bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}")
-    drafter.eval()
-    with torch.no_grad():
-        gv = torch.Generator().manual_seed(seed + 1)
-        f, e, tgt, lab, m, pos = eagle_batch(held_out[:32], int(cfg.sequence_length), gv, embed, index, 0.0)
-        lab = torch.where(m > 0, lab, torch.full_like(lab, -100))
-        acc = head_accuracy(lm(drafter(f, e, pos)), lab)
-    return drafter, {"held_out_top1": [round(acc, 4)]}, layer_cfg
+        bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}", best=f"{best.score:.3f}")
+        if (step + 1) % int(cfg.eval_every) == 0 or step + 1 == steps:
+            acc = evaluate()
+            best.offer(step + 1, acc, [acc])
+    best.restore()
+    return drafter.eval(), {"held_out_top1": best.metrics, "best_step": best.step}, layer_cfg
 
 
 def run(cfg: DictConfig, loaded=None) -> Path:
@@ -188,6 +243,8 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     for kind in kinds:
         if kind not in ("medusa", "eagle"):
             raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle)")
+        if int(cfg[kind].steps) < 1 or int(cfg[kind].eval_every) < 1:
+            raise ConfigError(f"{kind}.steps and {kind}.eval_every must be >= 1")
     if int(cfg.threads) > 0:
         torch.set_num_threads(int(cfg.threads))
     t0 = time.perf_counter()
@@ -210,9 +267,7 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     shards = generate_data(loaded, cfg.data, folder, encode)
     t_data = time.perf_counter() - t0
     records = load_shards(shards)
-    random.Random(int(cfg.seed)).shuffle(records)
-    n_held = max(1, len(records) // 10) if len(records) > 1 else 0
-    held_out, train = records[:n_held] or records, records[n_held:] or records
+    held_out, train = split_by_prompt(records, 0.1, int(cfg.seed))
     lm_weight = model.get_output_embeddings().weight.detach().float().cpu()
     vocab, hidden = int(lm_weight.shape[0]), int(model.config.hidden_size)
     draft_ids = pick_draft_vocab(train, int(cfg.draft_vocab), vocab)
@@ -229,7 +284,8 @@ def run(cfg: DictConfig, loaded=None) -> Path:
 
     generated = sum(int(r["tokens"].numel()) - r["prompt_len"] for r in records)
     base = {"model_id": loaded.model_id, "model_name": str(m.name), "hidden_size": hidden, "vocab_size": vocab}
-    training = {"sequences": len(records), "generated_tokens": generated, "data_seconds": round(t_data, 1),
+    training = {"sequences": len(records), "held_out_sequences": len(held_out) if held_out is not train else 0,
+                "generated_tokens": generated, "data_seconds": round(t_data, 1),
                 "data": data_settings}
     for kind in kinds:
         t_kind = time.perf_counter()

@@ -96,3 +96,48 @@ def test_training_smoke_on_tiny(tmp_path):
         ids = [5, 6, 7, 8]
         pipe = make_pipeline(loaded, kind, "max_new_tokens=16", f"model.heads={out}")
         assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 16)
+
+
+def test_held_out_split_is_by_prompt():
+    """Every prompt is sampled several times (greedy and at temperature): the held-out sequences must come
+    from prompts the heads never trained on, or the held-out accuracy measures memorisation."""
+    from mtpflow.train_heads import split_by_prompt
+
+    records = [{"tokens": torch.tensor([p, p + 1, 100 + s]), "prompt_len": 2} for p in range(20) for s in range(3)]
+    held, train = split_by_prompt(records, 0.1, seed=0)
+    prompts = lambda rs: {tuple(r["tokens"][:2].tolist()) for r in rs}  # noqa: E731
+    assert len(prompts(held)) == 2 and len(held) == 6 and len(train) == 54
+    assert not prompts(held) & prompts(train)
+    single = records[:3]
+    assert split_by_prompt(single, 0.1, seed=0) == (single, single)
+
+
+def test_checkpoint_keeps_the_best_weights():
+    from mtpflow.train_heads import Checkpoint
+
+    layer = torch.nn.Linear(2, 1)
+    best = Checkpoint(layer)
+    with torch.no_grad():
+        layer.weight.fill_(1.0)
+        best.offer(10, 0.5, [0.5])
+        layer.weight.fill_(2.0)
+        best.offer(20, 0.4, [0.4])  # worse: not kept
+    best.restore()
+    assert best.step == 10 and best.metrics == [0.5] and torch.all(layer.weight == 1.0)
+
+
+def test_bad_training_settings_and_prompt_files(tmp_path):
+    from mtpflow.errors import UserError
+    from mtpflow.head_data import load_prompts
+    from mtpflow.train_heads import compose, run
+
+    with pytest.raises(ConfigError, match="eval_every"):
+        run(compose(["medusa.eval_every=0"]), loaded=tiny_loaded(seed=0))
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('{"text": "a question"}\n{"prompt": "an instruction"}\n')
+    assert load_prompts(str(texts)) == ["a question", "an instruction"]
+    (tmp_path / "bad.jsonl").write_text('{"title": "no prompt here"}\n')
+    with pytest.raises(UserError, match="'prompt' or 'text'"):
+        load_prompts(str(tmp_path / "bad.jsonl"))
+    shipped = load_prompts(None)  # both shipped sets, one seeded shuffle
+    assert len(shipped) == len(set(shipped)) > 1400 and shipped == load_prompts(None)
