@@ -87,6 +87,37 @@ def test_cost_aware_draft_model_skips_a_costly_drafter_and_probes(tiny):
     assert free(prompt_ids=ids).token_ids == ref
 
 
+
+def test_draft_model_probes_back_off_while_rejected():
+    """A probe that is rejected doubles the idle gap before the next one (up to 8x probe_every); an accepted
+    draft resets it, so a useless drafter costs almost nothing and a useful one is found again."""
+    from types import SimpleNamespace
+
+    from mtpflow.strategies.draft_model import DraftModelProposer
+    from mtpflow.strategies.hardware import CostCurve
+
+    prop = DraftModelProposer(layers=1, probe_every=2, acceptance_prior=0.01)
+    prop.curve, prop.base_seconds, prop.draft_seconds = CostCurve({0: 1.0, 1: 3.0, 8: 6.0}), 0.05, 0.01
+
+    def step(accepted=None):
+        n = prop.draft_length(4)
+        draft = SimpleNamespace(num_nodes=n)
+        prop.on_step_end(SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=accepted or 0)))
+        return n
+
+    gaps, idle = [], 0
+    for _ in range(60):
+        if step():
+            gaps.append(idle)
+            idle = 0
+        else:
+            idle += 1
+    assert gaps[:5] == [2, 4, 8, 16, 16]  # rejected probes back off, capped at 8 x probe_every
+    while not prop.draft_length(4):  # wait for the next probe, which is accepted this time
+        prop.on_step_end(SimpleNamespace(draft=SimpleNamespace(num_nodes=0), decision=None))
+    prop.on_step_end(SimpleNamespace(draft=SimpleNamespace(num_nodes=1), decision=SimpleNamespace(num_accepted=1)))
+    assert prop.probe_gap == 2
+
 def tree_draft():
     import torch
 
