@@ -108,7 +108,8 @@ def medusa_examples(records: list[dict], num_heads: int, index: torch.Tensor):
 
 class Checkpoint:
     """The weights with the best held-out score seen so far (early stopping: self-distilled data is small and
-    the heads memorise it, so the last step is often not the best one on unseen prompts)."""
+    the heads can memorise it, so the last step need not be the best one on unseen prompts; the held-out set
+    both picks the checkpoint and reports its accuracy)."""
 
     def __init__(self, module: torch.nn.Module):
         self.module, self.state, self.step, self.score, self.metrics = module, None, 0, float("-inf"), []
