@@ -16,9 +16,6 @@ from tqdm import tqdm
 from mtpflow.errors import UserError
 
 
-SHIPPED_PROMPTS = ("head_train_prompts.jsonl", "domain_prompts.jsonl")
-
-
 def _read_prompts(text: str) -> list[str]:
     rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     return [r["prompt"] if "prompt" in r else r["text"] for r in rows]
@@ -37,8 +34,10 @@ def load_prompts(path: str | None = None) -> list[str]:
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{p}: every line must be a JSON object with a 'prompt' or 'text' field") from None
     else:
-        data = resources.files("mtpflow.data")
-        prompts = [q for name in SHIPPED_PROMPTS for q in _read_prompts(data.joinpath(name).read_text(encoding="utf-8"))]
+        from mtpflow import domain_prompts
+
+        heads = resources.files("mtpflow.data").joinpath("head_train_prompts.jsonl").read_text(encoding="utf-8")
+        prompts = _read_prompts(heads) + [r["text"] for r in domain_prompts.load_prompts()]
         random.Random(0).shuffle(prompts)
     if not prompts:
         raise UserError("the training prompt file has no prompts")

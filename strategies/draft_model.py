@@ -13,7 +13,7 @@ from mtpflow.errors import ConfigError, UserError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.sampling import target_probs
 from mtpflow.strategies.hardware import (
-    CostCurve, DecayedAcceptance, check_costs, expected_tokens, load_verify_costs,
+    CostCurve, DecayedAcceptance, ProbeSchedule, check_costs, expected_tokens, load_verify_costs,
 )
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft
@@ -46,9 +46,9 @@ class DraftModelProposer:
     the run's decayed per-token acceptance, the verify cost per L comes from the measured, cached cost curve
     (``mtpflow.strategies.hardware.load_verify_costs``) and a draft forward's time is measured as it runs.
     With L = 0 the draft model does not run at all (its cache catches up in one forward later); every
-    ``probe_every`` steps without a draft it drafts one token to refresh the acceptance estimate; each probe
-    that is rejected doubles that gap (up to 8x), an accepted draft resets it. A weak drafter therefore
-    costs about one plain decode step instead of slowing decoding down.
+    ``probe_every`` steps without a draft it drafts one token to refresh the acceptance estimate (backing off
+    while probes are rejected: ``ProbeSchedule``). A weak drafter therefore costs about one plain decode
+    step instead of slowing decoding down.
     """
 
     def __init__(self, model: str | None = None, layers: int | None = None, dtype: str = "auto",
@@ -68,9 +68,7 @@ class DraftModelProposer:
         self.curve: CostCurve | None = None
         self.base_seconds = 0.0  # a one-token target forward
         self.draft_seconds: float | None = None  # decayed mean time of one draft forward
-        self._idle_steps = 0
-        self.probe_gap = self.probe_every  # idle steps before the next probe (backs off while probes fail)
-        self._probing = False
+        self.probes = ProbeSchedule(self.probe_every)
         self.skipped = 0
 
     @hookimpl
@@ -112,8 +110,7 @@ class DraftModelProposer:
         per_draft = self.draft_seconds if self.draft_seconds is not None else 0.0
         best = max(range(k + 1), key=lambda n: (
             expected_tokens(a, n) / (self.curve(n) * self.base_seconds + n * per_draft), -n))
-        self._probing = best == 0 and self._idle_steps >= self.probe_gap
-        if self._probing:
+        if best == 0 and self.probes.should_probe():
             best = 1  # probe: one cheap draft keeps the acceptance estimate alive
         return best
 
@@ -122,17 +119,9 @@ class DraftModelProposer:
         if not self.cost_aware:
             return
         n = record.draft.num_nodes
-        if n == 0:
-            self._idle_steps += 1
-            return
-        self._idle_steps = 0
-        accepted = record.decision.num_accepted
-        self._acceptance.update(accepted, n)
-        if accepted:
-            self.probe_gap = self.probe_every
-        elif self._probing:
-            self.probe_gap = min(2 * self.probe_gap, 8 * self.probe_every)
-        self._probing = False
+        self.probes.observe(n, record.decision.num_accepted if n else 0)
+        if n:
+            self._acceptance.update(record.decision.num_accepted, n)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], start: int) -> torch.Tensor:

@@ -197,6 +197,34 @@ class DecayedAcceptance:
         self.rejected *= self.memory
 
 
+
+class ProbeSchedule:
+    """When a cost model picks "no draft", its acceptance estimate stops learning; so after ``every`` idle
+    steps it probes (drafts once anyway). Each rejected probe doubles the gap, up to ``max_factor * every``;
+    an accepted draft resets it, so a useless drafter costs almost nothing and a useful one is found again.
+    ``every = 0`` never probes."""
+
+    def __init__(self, every: int, max_factor: int = 8):
+        self.every, self.max_gap = int(every), int(every) * int(max_factor)
+        self.gap, self.idle, self.probing = self.every, 0, False
+
+    def should_probe(self) -> bool:
+        """Ask when the cost model chose no draft: True (this step is a probe) once the gap has passed."""
+        self.probing = self.every > 0 and self.idle >= self.gap
+        return self.probing
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After each step: ``drafted`` nodes verified, ``accepted`` of them kept."""
+        probed, self.probing = self.probing, False
+        if drafted == 0:
+            self.idle += 1
+            return
+        self.idle = 0
+        if accepted:
+            self.gap = self.every
+        elif probed:
+            self.gap = min(2 * self.gap, self.max_gap)
+
 def _check_k_or_auto(name: str, value) -> int | str:
     return AUTO if value == AUTO else check_k(name, value)
 
@@ -237,7 +265,7 @@ class HardwareAwareK:
                                                   for kk, v in costs.items()}
         self.mode: int | str = AUTO
         self._acceptance = DecayedAcceptance(self.acceptance_prior, self.acceptance_memory)
-        self._steps_without_draft = 0
+        self.probes = ProbeSchedule(self.probe_every)
 
     def k_for_device(self, name: str, device_type: str) -> int | str:
         if device_type == "cpu":
@@ -284,7 +312,7 @@ class HardwareAwareK:
         if self.costs is None:  # on_run_start did not run (a bare unit call): no measurement, no drafting
             return 0
         k = best_k(self.costs, self.acceptance)
-        if k == 0 and self.probe_every and self._steps_without_draft >= self.probe_every:
+        if k == 0 and self.probes.should_probe():
             # Without drafts the acceptance estimate never updates: probe with the best drafting K.
             drafting = {kk: c for kk, c in self.costs.items() if kk > 0}
             if drafting:
@@ -295,9 +323,8 @@ class HardwareAwareK:
     def on_step_end(self, record: StepRecord) -> None:
         if self.mode != AUTO:
             return
+        self.probes.observe(record.draft.num_nodes, record.decision.num_accepted)
         if record.draft.num_nodes == 0:
-            self._steps_without_draft += 1
             return
-        self._steps_without_draft = 0
         deepest = int(record.draft.depths().max())
         self._acceptance.update(record.decision.num_accepted, deepest)

@@ -88,35 +88,58 @@ def test_cost_aware_draft_model_skips_a_costly_drafter_and_probes(tiny):
 
 
 
-def test_draft_model_probes_back_off_while_rejected():
-    """A probe that is rejected doubles the idle gap before the next one (up to 8x probe_every); an accepted
-    draft resets it, so a useless drafter costs almost nothing and a useful one is found again."""
-    from types import SimpleNamespace
+def test_probe_schedule_backs_off_while_probes_are_rejected():
+    """A rejected probe doubles the idle gap before the next one (up to 8x every); an accepted draft resets
+    it, so a useless drafter costs almost nothing and a useful one is found again."""
+    from mtpflow.strategies.hardware import ProbeSchedule
 
-    from mtpflow.strategies.draft_model import DraftModelProposer
-    from mtpflow.strategies.hardware import CostCurve
-
-    prop = DraftModelProposer(layers=1, probe_every=2, acceptance_prior=0.01)
-    prop.curve, prop.base_seconds, prop.draft_seconds = CostCurve({0: 1.0, 1: 3.0, 8: 6.0}), 0.05, 0.01
-
-    def step(accepted=None):
-        n = prop.draft_length(4)
-        draft = SimpleNamespace(num_nodes=n)
-        prop.on_step_end(SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=accepted or 0)))
-        return n
-
+    probes = ProbeSchedule(every=2)
     gaps, idle = [], 0
-    for _ in range(60):
-        if step():
+    for _ in range(60):  # the cost model never wants to draft; every probe is rejected
+        if probes.should_probe():
+            probes.observe(drafted=1, accepted=0)
             gaps.append(idle)
             idle = 0
         else:
+            probes.observe(drafted=0, accepted=0)
             idle += 1
-    assert gaps[:5] == [2, 4, 8, 16, 16]  # rejected probes back off, capped at 8 x probe_every
-    while not prop.draft_length(4):  # wait for the next probe, which is accepted this time
-        prop.on_step_end(SimpleNamespace(draft=SimpleNamespace(num_nodes=0), decision=None))
-    prop.on_step_end(SimpleNamespace(draft=SimpleNamespace(num_nodes=1), decision=SimpleNamespace(num_accepted=1)))
-    assert prop.probe_gap == 2
+    assert gaps[:5] == [2, 4, 8, 16, 16]
+    while not probes.should_probe():
+        probes.observe(0, 0)
+    probes.observe(drafted=1, accepted=1)  # this probe is accepted
+    assert probes.gap == 2
+    probes.observe(drafted=3, accepted=0)  # a chosen (not probing) draft rejected: no back-off
+    assert probes.gap == 2
+    never = ProbeSchedule(every=0)
+    for _ in range(20):
+        never.observe(0, 0)
+    assert not never.should_probe()
+
+
+def test_draft_model_and_auto_k_share_the_probe_back_off():
+    from types import SimpleNamespace
+
+    import torch
+
+    from mtpflow.strategies.draft_model import DraftModelProposer
+    from mtpflow.strategies.hardware import CostCurve, HardwareAwareK
+
+    def record(n, accepted):  # a chain of n drafted nodes
+        draft = SimpleNamespace(num_nodes=n, depths=lambda: torch.arange(1, n + 1))
+        return SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=accepted))
+
+    prop = DraftModelProposer(layers=1, probe_every=2, acceptance_prior=0.01)
+    prop.curve, prop.base_seconds, prop.draft_seconds = CostCurve({0: 1.0, 1: 3.0, 8: 6.0}), 0.05, 0.01
+    sel = HardwareAwareK(k="auto", costs={0: 1.0, 1: 3.0, 8: 6.0}, acceptance_prior=0.01, probe_every=2)
+    sel.on_run_start(SimpleNamespace(device="cpu", model=None))
+    for pick, end in ((lambda: prop.draft_length(4), prop.on_step_end), (lambda: sel.select_k(None), sel.on_step_end)):
+        drafted_at = []
+        for step in range(12):
+            n = pick()
+            end(record(n, 0))
+            if n:
+                drafted_at.append(step)
+        assert drafted_at == [2, 7]  # probe after 2 idle steps; rejected, so the next after 4
 
 def tree_draft():
     import torch
