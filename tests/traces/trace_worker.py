@@ -24,11 +24,18 @@ PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
 
 
 class SlowSteps:
-    """Makes each step take a while, so a signal arrives mid-generation."""
+    """Makes each step take a while, so a signal arrives mid-generation: the parent signals once it sees 3
+    steps in the database, and the run (about 95 tokens to EOS on the tiny model) must still be going then,
+    even when the parent is slow to see them (a loaded machine, a reader waiting on the writer's lock). So
+    after the first few steps each one takes 0.5 s, leaving the parent most of a minute."""
+
+    def __init__(self):
+        self.steps = 0
 
     @hookimpl
     def on_step_end(self, record):
-        time.sleep(0.05)
+        self.steps += 1
+        time.sleep(0.05 if self.steps <= 3 else 0.5)
 
 
 def pipeline(db: str, *overrides: str):
