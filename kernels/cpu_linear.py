@@ -11,6 +11,14 @@ For one row, MKL's stock path on that machine was itself slower than a product w
 weight (7-27% of a whole one-token forward across runs); ``install`` times both on the model's largest linear and
 keeps the faster, so plain decode steps do not lose to ``model.generate`` either.
 
+Which path wins for several rows depends on the CPU: on that AMD machine oneDNN won everywhere, on an Intel
+Xeon with AVX-512 stock MKL ran 2-3 rows through the whole model in about the time of one (37 vs 52 ms with
+oneDNN, whose per-call overhead dominates the small layers), and oneDNN won only on the LM head from 3 rows
+up. So ``install`` also times whole-model forwards of 2, 3, 5, 9 and 17 rows under three *plans* -- stock
+everywhere, packed everywhere, packed on the largest linear (the LM head) only -- and keeps the fastest per
+row count; the choice is cached per CPU, torch build, thread count and layer shapes under
+``~/.cache/mtpflow/cpu_linear``.
+
 How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
 its class swapped, so parameters, tied weights, hooks and ``isinstance`` checks are unchanged). Outside a
 ``packed()`` block a ``PackedLinear`` is exactly ``nn.Linear`` (so ``model.generate`` in the same process is
@@ -24,6 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import hashlib
+import json
+import os
+import platform
 import statistics
 import time
 from typing import Iterator
@@ -36,6 +48,19 @@ MODES = ("auto", "packed", "stock")
 AUTO_MAX_BYTES = 1024**3
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpflow_packed_linear", default=False)
+
+# row counts timed by ``time_plans`` (1 + K for K = 1, 2, 4, 8, 16); a forward of r rows follows the plan of
+# the smallest entry >= r (the last one beyond it)
+ROW_BUCKETS = (2, 3, 5, 9, 17)
+PLANS = ("stock", "packed", "head")  # multi-row path: stock MKL, oneDNN everywhere, oneDNN on the largest only
+
+
+def bucket(rows: int) -> int:
+    """Index in ROW_BUCKETS of the plan a ``rows``-row forward follows."""
+    for i, r in enumerate(ROW_BUCKETS):
+        if rows <= r:
+            return i
+    return len(ROW_BUCKETS) - 1
 
 
 def available() -> bool:
@@ -53,6 +78,8 @@ class PackedLinear(torch.nn.Linear):
     _mtpflow_pack: tuple | None = None  # (weight version key, packed weight)
     _mtpflow_t: tuple | None = None  # (weight version key, weight.t().contiguous())
     _mtpflow_one_row_transposed = False
+    # per entry of ROW_BUCKETS: take the oneDNN packed path for that many rows (else stock F.linear)
+    _mtpflow_pack_rows: tuple[bool, ...] = (True,) * 5
 
     def _key(self) -> tuple:
         w = self.weight
@@ -80,6 +107,8 @@ class PackedLinear(torch.nn.Linear):
                 return F.linear(x, self.weight, self.bias)
             y = x @ self._transposed_weight()
             return y if self.bias is None else y + self.bias
+        if not self._mtpflow_pack_rows[bucket(x.numel() // x.shape[-1])]:
+            return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -104,9 +133,10 @@ def should_pack(mode: str, model: torch.nn.Module) -> bool:
     return mode == "packed" or linear_bytes(model) <= AUTO_MAX_BYTES
 
 
-def install(model: torch.nn.Module) -> int:
-    """Swap every ``nn.Linear`` of ``model`` to ``PackedLinear`` in place (idempotent) and choose its one-row
-    path (``one_row_transposed_is_faster``); returns how many were swapped."""
+def install(model: torch.nn.Module, plans: tuple[str, ...] | None = None) -> int:
+    """Swap every ``nn.Linear`` of ``model`` to ``PackedLinear`` in place (idempotent), choose its one-row
+    path (``one_row_transposed_is_faster``) and the multi-row plan per entry of ROW_BUCKETS (``plans``, or
+    timed by ``load_plans``); returns how many were swapped."""
     fresh = [m for m in model.modules() if type(m) is torch.nn.Linear]
     if not fresh:
         return 0
@@ -114,7 +144,95 @@ def install(model: torch.nn.Module) -> int:
     for module in fresh:
         module.__class__ = PackedLinear
         module._mtpflow_one_row_transposed = transposed
+    apply_plans(model, plans if plans is not None else load_plans(model))
     return len(fresh)
+
+
+def apply_plans(model: torch.nn.Module, plans: tuple[str, ...]) -> None:
+    """Set every PackedLinear of ``model`` to ``plans`` (one of PLANS per entry of ROW_BUCKETS)."""
+    if len(plans) != len(ROW_BUCKETS) or any(p not in PLANS for p in plans):
+        raise ValueError(f"plans must be {len(ROW_BUCKETS)} of {PLANS}, got {plans!r}")
+    mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    if not mods:
+        return
+    largest = max(mods, key=lambda m: m.weight.numel())
+    for m in mods:
+        m._mtpflow_pack_rows = tuple(p == "packed" or (p == "head" and m is largest) for p in plans)
+    model._mtpflow_linear_plans = tuple(plans)
+
+
+@torch.inference_mode()
+def time_plans(model: torch.nn.Module, repeats: int = 5) -> dict[int, dict[str, float]]:
+    """{rows: {plan: median seconds}} of whole-model forwards of ``rows`` random tokens (no cache: attention
+    over a few tokens is the same for every plan), plans interleaved so background load hits them alike."""
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    if vocab <= 0:
+        return {}
+    g = torch.Generator().manual_seed(0)
+    saved = getattr(model, "_mtpflow_linear_plans", None)
+    out: dict[int, dict[str, float]] = {}
+    token = _active.set(True)
+    try:
+        for rows in ROW_BUCKETS:
+            ids = torch.randint(0, vocab, (1, rows), generator=g)
+            times: dict[str, list[float]] = {p: [] for p in PLANS}
+            for i in range(repeats + 1):
+                for plan in PLANS:
+                    apply_plans(model, (plan,) * len(ROW_BUCKETS))
+                    t0 = time.perf_counter()
+                    model(input_ids=ids, use_cache=False)
+                    if i:  # the first round warms up (and packs the weights)
+                        times[plan].append(time.perf_counter() - t0)
+            out[rows] = {p: statistics.median(v) for p, v in times.items()}
+    finally:
+        _active.reset(token)
+        if saved is not None:
+            apply_plans(model, saved)
+    return out
+
+
+def _plans_cache_path(model: torch.nn.Module):
+    from mtpflow.model import cache_dir
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    key = json.dumps([cpu, os.cpu_count(), torch.get_num_threads(), torch.__version__, ROW_BUCKETS, PLANS,
+                      [list(s) for s in shapes]])
+    return cache_dir() / "cpu_linear" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+
+
+def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
+    """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
+    (``time_plans``, a few seconds for a 135M model) and stored. Models too small for a timing to mean
+    anything (under 1M linear weights, cache-resident) keep oneDNN packed everywhere."""
+    if linear_bytes(model) < 4 << 20:
+        return ("packed",) * len(ROW_BUCKETS)
+    path = _plans_cache_path(model)
+    try:
+        plans = tuple(json.loads(path.read_text())["plans"])
+        if len(plans) == len(ROW_BUCKETS) and all(p in PLANS for p in plans):
+            return plans
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing or damaged: time again
+    timed = time_plans(model)
+    if not timed:
+        return ("packed",) * len(ROW_BUCKETS)
+    plans = tuple(min(timed[r], key=timed[r].get) for r in ROW_BUCKETS)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"plans": list(plans), "rows": list(ROW_BUCKETS),
+                                   "ms": {str(r): {p: round(1000 * v, 2) for p, v in timed[r].items()}
+                                          for r in ROW_BUCKETS}}, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass  # an unwritable cache only means timing again next time
+    return plans
 
 
 @torch.inference_mode()
@@ -142,12 +260,17 @@ def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margi
 
 
 def state(model: torch.nn.Module) -> str:
-    """"stock", "packed", or "packed+t1" (packed, with the transposed one-row path): which linears a forward of
-    ``model`` here would use; part of the verify-cost cache key."""
+    """"stock", or "packed" / "packed+t1" (with the transposed one-row path) followed by the multi-row plans
+    when they are not oneDNN everywhere (e.g. "packed+t1[stock,stock,head,head,head]"): which linears a
+    forward of ``model`` here would use; part of the verify-cost cache key."""
     mods = [m for m in model.modules() if isinstance(m, PackedLinear)] if _active.get() else []
     if not mods:
         return "stock"
-    return "packed+t1" if any(m._mtpflow_one_row_transposed for m in mods) else "packed"
+    name = "packed+t1" if any(m._mtpflow_one_row_transposed for m in mods) else "packed"
+    plans = getattr(model, "_mtpflow_linear_plans", None)
+    if plans and any(p != "packed" for p in plans):
+        name += "[" + ",".join(plans) + "]"
+    return name
 
 
 def check_mode(name) -> str:

@@ -122,3 +122,48 @@ def test_install_applies_the_timed_one_row_choice_to_every_layer(monkeypatch, fa
     with cpu_linear.packed():
         assert cpu_linear.state(model) == ("packed+t1" if faster else "packed")
     assert cpu_linear.state(model) == "stock"  # outside a run
+
+
+def test_multi_row_plans_pick_the_path_per_row_count():
+    model = make_tiny_model(64, layers=1)
+    cpu_linear.install(model, plans=("stock", "head", "packed", "packed", "packed"))
+    layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    largest = max(layers, key=lambda m: m.weight.numel())
+    x2, x3 = torch.randn(1, 2, largest.in_features), torch.randn(1, 3, largest.in_features)
+    with torch.inference_mode(), cpu_linear.packed():
+        assert torch.equal(largest(x2), F.linear(x2, largest.weight, largest.bias))  # 2 rows: stock
+        assert largest._mtpflow_pack is None
+        torch.testing.assert_close(largest(x3), F.linear(x3, largest.weight, largest.bias), rtol=1e-5, atol=1e-5)
+        assert largest._mtpflow_pack is not None  # 3 rows, "head": the largest layer packs...
+        other = next(m for m in layers if m is not largest)
+        other(torch.randn(1, 3, other.in_features))
+        assert other._mtpflow_pack is None  # ...and the others stay stock
+        assert cpu_linear.state(model).endswith("[stock,head,packed,packed,packed]")
+    assert [cpu_linear.bucket(r) for r in (2, 3, 4, 5, 9, 10, 17, 300)] == [0, 1, 2, 2, 3, 4, 4, 4]
+    with pytest.raises(ValueError, match="plans"):
+        cpu_linear.apply_plans(model, ("fast",) * 5)
+
+
+def test_plans_are_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    model = make_tiny_model(64, layers=1)
+    cpu_linear.install(model, plans=("packed",) * 5)
+    monkeypatch.setattr(cpu_linear, "linear_bytes", lambda m: 1 << 30)  # as if big enough to time
+    fake = {r: {"stock": 1.0, "packed": 2.0, "head": 0.5 if r > 3 else 3.0} for r in cpu_linear.ROW_BUCKETS}
+    calls = []
+    monkeypatch.setattr(cpu_linear, "time_plans", lambda m: calls.append(m) or fake)
+    expected = ("stock", "stock", "head", "head", "head")
+    assert cpu_linear.load_plans(model) == expected and len(calls) == 1
+    assert cpu_linear.load_plans(model) == expected and len(calls) == 1  # cached on disk
+    (cached,) = (tmp_path / "cpu_linear").glob("*.json")
+    cached.write_text("{not json")
+    assert cpu_linear.load_plans(model) == expected and len(calls) == 2  # a damaged cache is timed again
+
+
+def test_time_plans_runs_every_plan_and_restores_the_model():
+    model = make_tiny_model(64, layers=1)
+    cpu_linear.install(model, plans=("stock",) * 5)
+    timed = cpu_linear.time_plans(model, repeats=1)
+    assert set(timed) == set(cpu_linear.ROW_BUCKETS)
+    assert all(set(v) == set(cpu_linear.PLANS) and min(v.values()) > 0 for v in timed.values())
+    assert model._mtpflow_linear_plans == ("stock",) * 5
