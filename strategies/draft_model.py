@@ -128,8 +128,8 @@ class DraftModelProposer:
         dev = next(self.draft.parameters()).device
         out = self.draft(input_ids=torch.tensor([ids], device=dev),
                          position_ids=torch.arange(start, start + len(ids), device=dev)[None],
-                         cache=self.cache, use_cache=True)
-        return out.logits[0, -1].float().cpu()
+                         cache=self.cache, use_cache=True, logits_to_keep=1)  # a catch-up of n tokens needs
+        return out.logits[0, -1].float().cpu()  # only the last row's logits, not n rows of the 49k-way LM head
 
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
