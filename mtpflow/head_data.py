@@ -107,8 +107,27 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     return records
 
 
+# batches sorted together by prompt length: a batch is left-padded to its longest prompt, and on a CPU every
+# padded position costs a full row of compute in the prefill and in each decode step's attention
+BUCKET = 8
+
+
+def length_buckets(encoded: list[list[int]], batch_size: int, bucket: int = BUCKET) -> list[list[list[int]]]:
+    """Split ``encoded`` prompts (in order) into batches of ``batch_size``: every ``bucket`` consecutive batches'
+    prompts are sorted by length first, so each batch holds prompts of similar length (deterministic, so a
+    resumed run rebuilds the same batches)."""
+    if bucket < 1:
+        raise UserError(f"data.bucket must be >= 1, got {bucket}")
+    batches = []
+    span = batch_size * bucket
+    for lo in range(0, len(encoded), span):
+        group = sorted(encoded[lo: lo + span], key=len)  # stable: equal lengths keep their order
+        batches += [group[i: i + batch_size] for i in range(0, len(group), batch_size)]
+    return batches
+
+
 def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
-    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, max_new_tokens, temperatures, seed)."""
+    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed)."""
     folder.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.prompts)
     samples, batch_size = int(cfg.samples), int(cfg.batch_size)
@@ -118,18 +137,17 @@ def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
     eos = set(loaded.eos_token_ids)
     shards = []
     n_shards = (samples + batch_size - 1) // batch_size
+    batches = length_buckets([encode(prompts[i % len(prompts)]) for i in range(samples)], batch_size,
+                             int(cfg.get("bucket", BUCKET)))
     bar = tqdm(range(n_shards), desc="generate training text", unit="batch")
     for s in bar:
         path = folder / f"shard_{s:05d}.pt"
         shards.append(path)
         if path.exists():  # resume: this batch was written by an earlier run
             continue
-        first = s * batch_size
-        picked = [prompts[(first + j) % len(prompts)] for j in range(min(batch_size, samples - first))]
         generator = torch.Generator().manual_seed(int(cfg.seed) * 100003 + s)
         temperature = temperatures[s % len(temperatures)]
-        records = sample_batch(loaded.model, [encode(p) for p in picked], int(cfg.max_new_tokens),
-                               temperature, eos, generator)
+        records = sample_batch(loaded.model, batches[s], int(cfg.max_new_tokens), temperature, eos, generator)
         tmp = path.with_suffix(".tmp")
         torch.save(records, tmp)
         tmp.replace(path)

@@ -141,3 +141,26 @@ def test_bad_training_settings_and_prompt_files(tmp_path):
         load_prompts(str(tmp_path / "bad.jsonl"))
     shipped = load_prompts(None)  # both shipped sets, one seeded shuffle
     assert len(shipped) == len(set(shipped)) > 1400 and shipped == load_prompts(None)
+
+
+def test_length_buckets_group_similar_prompts_and_keep_every_one():
+    """Training batches are left-padded to their longest prompt: sorting each span of ``bucket`` batches by
+    length cuts the padding, while every prompt is still sampled exactly once and the split is reproducible
+    (a resumed run must rebuild the same batches)."""
+    from mtpflow.errors import UserError
+    from mtpflow.head_data import length_buckets
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [list(range(int(n))) for n in torch.randint(1, 200, (70,), generator=g)]
+    batches = length_buckets(prompts, batch_size=8, bucket=4)
+    assert [len(b) for b in batches] == [8] * 8 + [6]  # ceil(70 / 8) batches, only the last one short
+    assert sorted(map(len, sum(batches, []))) == sorted(map(len, prompts))
+    first_span = sum(batches[:4], [])
+    assert [len(p) for p in first_span] == sorted(len(p) for p in prompts[:32])  # sorted within a span only
+    padded = lambda bs: sum(len(b) * max(map(len, b)) for b in bs)  # noqa: E731
+    unsorted = [prompts[i:i + 8] for i in range(0, 70, 8)]
+    assert padded(batches) < 0.8 * padded(unsorted)
+    assert length_buckets(prompts, 8, 4) == batches
+    assert length_buckets(prompts, 8, 1) == [sorted(b, key=len) for b in unsorted]
+    with pytest.raises(UserError, match="bucket"):
+        length_buckets(prompts, 8, 0)
