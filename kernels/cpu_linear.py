@@ -79,7 +79,7 @@ class PackedLinear(torch.nn.Linear):
     _mtpflow_t: tuple | None = None  # (weight version key, weight.t().contiguous())
     _mtpflow_one_row_transposed = False
     # per entry of ROW_BUCKETS: take the oneDNN packed path for that many rows (else stock F.linear)
-    _mtpflow_pack_rows: tuple[bool, ...] = (True,) * 5
+    _mtpflow_pack_rows: tuple[bool, ...] = (True,) * len(ROW_BUCKETS)
 
     def _key(self) -> tuple:
         w = self.weight
@@ -209,7 +209,8 @@ def _plans_cache_path(model: torch.nn.Module):
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
     (``time_plans``, a few seconds for a 135M model) and stored. Models too small for a timing to mean
-    anything (under 1M linear weights, cache-resident) keep oneDNN packed everywhere."""
+    anything (under 4 MB of linear weights, cache-resident), and models whose plain forward cannot be timed,
+    keep oneDNN packed everywhere."""
     if linear_bytes(model) < 4 << 20:
         return ("packed",) * len(ROW_BUCKETS)
     path = _plans_cache_path(model)
@@ -219,7 +220,10 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
             return plans
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing or damaged: time again
-    timed = time_plans(model)
+    try:
+        timed = time_plans(model)
+    except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids
+        timed = {}
     if not timed:
         return ("packed",) * len(ROW_BUCKETS)
     plans = tuple(min(timed[r], key=timed[r].get) for r in ROW_BUCKETS)

@@ -167,3 +167,17 @@ def test_time_plans_runs_every_plan_and_restores_the_model():
     assert set(timed) == set(cpu_linear.ROW_BUCKETS)
     assert all(set(v) == set(cpu_linear.PLANS) and min(v.values()) > 0 for v in timed.values())
     assert model._mtpflow_linear_plans == ("stock",) * 5
+
+
+def test_a_model_whose_forward_cannot_be_timed_keeps_packed(tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    model = make_tiny_model(64, layers=1)
+    cpu_linear.install(model, plans=("packed",) * 5)
+    monkeypatch.setattr(cpu_linear, "linear_bytes", lambda m: 1 << 30)
+
+    def fails(m):
+        raise TypeError("forward() missing 1 required positional argument: 'pixel_values'")
+
+    monkeypatch.setattr(cpu_linear, "time_plans", fails)
+    assert cpu_linear.load_plans(model) == ("packed",) * 5
+    assert not (tmp_path / "cpu_linear").exists()  # nothing cached: a later load tries again
