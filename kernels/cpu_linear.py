@@ -16,8 +16,8 @@ Xeon with AVX-512 stock MKL ran 2-3 rows through the whole model in about the ti
 oneDNN, whose per-call overhead dominates the small layers), and oneDNN won only on the LM head from 3 rows
 up. So ``install`` also times whole-model forwards of 2, 3, 5, 9 and 17 rows under three *plans* -- stock
 everywhere, packed everywhere, packed on the largest linear (the LM head) only -- and keeps the fastest per
-row count; the choice is cached per CPU, torch build, thread count and layer shapes under
-``~/.cache/mtpflow/cpu_linear``.
+row count (about 9 s at first load for the default model); the choice is cached per CPU, torch build,
+thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``.
 
 How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
 its class swapped, so parameters, tied weights, hooks and ``isinstance`` checks are unchanged). Outside a
@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import hashlib
-import json
 import os
 import platform
 import statistics
@@ -61,6 +59,10 @@ def bucket(rows: int) -> int:
         if rows <= r:
             return i
     return len(ROW_BUCKETS) - 1
+
+
+# bucket(rows) for rows up to the largest entry, looked up on every multi-row linear call of a verify forward
+_BUCKET_OF = tuple(bucket(r) for r in range(ROW_BUCKETS[-1] + 1))
 
 
 def available() -> bool:
@@ -107,7 +109,8 @@ class PackedLinear(torch.nn.Linear):
                 return F.linear(x, self.weight, self.bias)
             y = x @ self._transposed_weight()
             return y if self.bias is None else y + self.bias
-        if not self._mtpflow_pack_rows[bucket(x.numel() // x.shape[-1])]:
+        rows = x.numel() // x.shape[-1]
+        if not self._mtpflow_pack_rows[_BUCKET_OF[rows] if rows < len(_BUCKET_OF) else -1]:
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
@@ -191,35 +194,39 @@ def time_plans(model: torch.nn.Module, repeats: int = 5) -> dict[int, dict[str, 
     return out
 
 
-def _plans_cache_path(model: torch.nn.Module):
-    from mtpflow.model import cache_dir
-
-    cpu = platform.processor() or platform.machine()
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``, else ``platform``): measurements of CPU speed are kept per CPU."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return platform.processor() or platform.machine()
+
+
+def _plans_cache_path(model: torch.nn.Module):
+    from mtpflow.model import measurement_path
+
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    key = json.dumps([cpu, os.cpu_count(), torch.get_num_threads(), torch.__version__, ROW_BUCKETS, PLANS,
-                      [list(s) for s in shapes]])
-    return cache_dir() / "cpu_linear" / f"{hashlib.sha1(key.encode()).hexdigest()[:16]}.json"
+    return measurement_path("cpu_linear", cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
+                            ROW_BUCKETS, PLANS, [list(s) for s in shapes])
 
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
-    (``time_plans``, a few seconds for a 135M model) and stored. Models too small for a timing to mean
-    anything (under 4 MB of linear weights, cache-resident), and models whose plain forward cannot be timed,
-    keep oneDNN packed everywhere."""
+    (``time_plans``, about 9 s for the 135M default model on a 2-core CPU) and stored. Models too small for
+    a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
+    cannot be timed, keep oneDNN packed everywhere."""
     if linear_bytes(model) < 4 << 20:
         return ("packed",) * len(ROW_BUCKETS)
+    from mtpflow.model import read_measurement, write_measurement
+
     path = _plans_cache_path(model)
-    try:
-        plans = tuple(json.loads(path.read_text())["plans"])
-        if len(plans) == len(ROW_BUCKETS) and all(p in PLANS for p in plans):
-            return plans
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # missing or damaged: time again
+    stored = tuple((read_measurement(path) or {}).get("plans") or ())
+    if len(stored) == len(ROW_BUCKETS) and all(p in PLANS for p in stored):
+        return stored
     try:
         timed = time_plans(model)
     except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids
@@ -227,15 +234,8 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     if not timed:
         return ("packed",) * len(ROW_BUCKETS)
     plans = tuple(min(timed[r], key=timed[r].get) for r in ROW_BUCKETS)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"plans": list(plans), "rows": list(ROW_BUCKETS),
-                                   "ms": {str(r): {p: round(1000 * v, 2) for p, v in timed[r].items()}
-                                          for r in ROW_BUCKETS}}, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only means timing again next time
+    write_measurement(path, {"plans": list(plans), "rows": list(ROW_BUCKETS),
+                             "ms": {str(r): {p: round(1000 * v, 2) for p, v in timed[r].items()} for r in ROW_BUCKETS}})
     return plans
 
 

@@ -137,7 +137,8 @@ def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
     eos = set(loaded.eos_token_ids)
     shards = []
     n_shards = (samples + batch_size - 1) // batch_size
-    batches = length_buckets([encode(prompts[i % len(prompts)]) for i in range(samples)], batch_size,
+    encoded = [encode(p) for p in prompts[:samples]]  # each prompt once; samples beyond them cycle
+    batches = length_buckets([encoded[i % len(encoded)] for i in range(samples)], batch_size,
                              int(cfg.get("bucket", BUCKET)))
     bar = tqdm(range(n_shards), desc="generate training text", unit="batch")
     for s in bar:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.util
+import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -30,6 +31,34 @@ def cache_dir() -> Path:
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtpflow"
     )
     return Path(root)
+
+
+def measurement_path(kind: str, *key) -> Path:
+    """``cache_dir()/kind/<hash of key>.json``: where a measurement (verify costs, CPU linear plans) keyed by
+    ``key`` (JSON-serialisable) is kept."""
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_dir() / kind / f"{digest}.json"
+
+
+def read_measurement(path: Path) -> dict | None:
+    """A cached measurement, or None when missing or damaged (then it is measured again)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_measurement(path: Path, data: dict) -> None:
+    """Store a measurement atomically (a concurrent reader never sees half a file); an unwritable cache only
+    means measuring again next time."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError:
+        pass
 
 
 @dataclass(frozen=True)

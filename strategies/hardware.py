@@ -9,9 +9,6 @@ small K, or 0, unless drafts are accepted often; the CPU default is therefore ``
 from __future__ import annotations
 
 import copy
-import hashlib
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -84,20 +81,21 @@ def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> di
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: list[int]) -> Path:
-    from mtpflow.model import cache_dir
+def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: list[int], host: str = "") -> Path:
+    from mtpflow.model import measurement_path
 
-    key = json.dumps([device, model_id, dtype, context, sorted(ks)])
-    digest = hashlib.sha1(key.encode()).hexdigest()[:16]
-    return cache_dir() / "verify_cost" / f"{digest}.json"
+    key = [device, model_id, dtype, context, sorted(ks)] + ([host] if host else [])
+    return measurement_path("verify_cost", *key)
 
 
 def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int = 5,
                       name: str | None = None) -> tuple[dict[int, float], str]:
     """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device: measured
-    once per device, model, dtype, linear kind (``mtpflow.kernels.cpu_linear``) and K set, then read from
-    ``~/.cache/mtpflow/verify_cost``. Shared by ``HardwareAwareK`` and the cost-aware prompt lookup."""
+    once per device (on a CPU: per CPU model and thread count), model, dtype, linear kind
+    (``mtpflow.kernels.cpu_linear``) and K set, then read from ``~/.cache/mtpflow/verify_cost``. Shared by
+    ``HardwareAwareK`` and the cost-aware prompt lookup."""
     from mtpflow.kernels import cpu_linear
+    from mtpflow.model import read_measurement, write_measurement
 
     model = context.model
     name = name or device_name(context.device)
@@ -105,23 +103,16 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(ks) - 2
     ctx = max(1, min(cost_context, limit))
     linear = cpu_linear.state(model)
-    path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}", ctx, ks)
-    if path.exists():
-        try:
-            stored = json.loads(path.read_text())
-            return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache file is measured again
-    costs = measure_verify_costs(model, ks, ctx, repeats)
+    host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if torch.device(context.device).type == "cpu" else ""
+    path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}", ctx, ks, host)
+    stored = read_measurement(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"device": name, "model": context.model_id, "dtype": str(model.dtype),
-                                   "linear": linear, "context": ctx,
-                                   "seconds": {str(k): v for k, v in costs.items()}}, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass  # an unwritable cache only means measuring again next run
+        return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
+    except (TypeError, KeyError, ValueError, AttributeError):
+        pass  # missing or damaged: measured again
+    costs = measure_verify_costs(model, ks, ctx, repeats)
+    write_measurement(path, {"device": name, "host": host, "model": context.model_id, "dtype": str(model.dtype),
+                             "linear": linear, "context": ctx, "seconds": {str(k): v for k, v in costs.items()}})
     return costs, "measured"
 
 

@@ -151,6 +151,18 @@ def test_auto_measures_once_and_caches_on_disk(tiny, tmp_path, monkeypatch):
     other_device = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, device_name="NVIDIA H100")
     with pytest.raises(AssertionError):  # the cache is keyed by device: a new device is measured
         other_device.on_run_start(ctx)
+    # on a CPU also by the CPU model: a curve measured on one CPU is not reused on another
+    from mtpflow.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "cpu_name", lambda: "Another CPU")
+    other_cpu = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, cost_repeats=1)
+    with pytest.raises(AssertionError):
+        other_cpu.on_run_start(ctx)
+    files[0].write_text("{damaged")
+    monkeypatch.undo()
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    again = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, cost_repeats=1)
+    assert again.on_run_start(ctx)["auto_costs"] == "measured"  # a damaged file is measured again
 
 
 def test_hardware_aware_end_to_end(tiny, tmp_path, monkeypatch):
