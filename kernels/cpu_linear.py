@@ -14,10 +14,13 @@ keeps the faster, so plain decode steps do not lose to ``model.generate`` either
 Which path wins for several rows depends on the CPU: on that AMD machine oneDNN won everywhere, on an Intel
 Xeon with AVX-512 stock MKL ran 2-3 rows through the whole model in about the time of one (37 vs 52 ms with
 oneDNN, whose per-call overhead dominates the small layers), and oneDNN won only on the LM head from 3 rows
-up. So ``install`` also times whole-model forwards of 2, 3, 5, 9 and 17 rows under three *plans* -- stock
-everywhere, packed everywhere, packed on the largest linear (the LM head) only -- and keeps the fastest per
-row count (about 9 s at first load for the default model); the choice is cached per CPU, torch build,
-thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``.
+up. Neither reads the weights at memory speed for a few rows, so a fourth path is mtpflow's own kernel
+(``native_linear``: ``small_gemm.c``, compiled on first use), which on that Xeon ran 5 rows through the
+whole model in 54 ms against 71 ms for the best of the others and 50 ms for one row. ``install`` times
+whole-model forwards of 2, 3, 5, 9 and 17 rows under four *plans* -- stock everywhere, packed everywhere,
+packed on the largest linear (the LM head) only, native everywhere (where it could be built) -- and keeps
+the fastest per row count (about 12 s at first load for the default model); the choice is cached per CPU,
+torch build, thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``.
 
 How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
 its class swapped, so parameters, tied weights, hooks and ``isinstance`` checks are unchanged). Outside a
@@ -41,6 +44,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from mtpflow.kernels import native_linear
+
 MODES = ("auto", "packed", "stock")
 # "auto" packs only models whose linear weights fit this budget (the packed copy doubles their memory)
 AUTO_MAX_BYTES = 1024**3
@@ -50,7 +55,13 @@ _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpflow_packed_l
 # row counts timed by ``time_plans`` (1 + K for K = 1, 2, 4, 8, 16); a forward of r rows follows the plan of
 # the smallest entry >= r (the last one beyond it)
 ROW_BUCKETS = (2, 3, 5, 9, 17)
-PLANS = ("stock", "packed", "head")  # multi-row path: stock MKL, oneDNN everywhere, oneDNN on the largest only
+# multi-row path: stock MKL, oneDNN everywhere, oneDNN on the largest only, the native kernel everywhere
+PLANS = ("stock", "packed", "head", "native")
+
+
+def available_plans() -> tuple[str, ...]:
+    """PLANS that can run here (``native`` needs the kernel built: ``native_linear.available``)."""
+    return PLANS if native_linear.available() else tuple(p for p in PLANS if p != "native")
 
 
 def bucket(rows: int) -> int:
@@ -73,15 +84,17 @@ def available() -> bool:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, runs oneDNN over a packed weight for
-    several rows, and for one row either stock ``F.linear`` or a product with a transposed copy of the weight,
-    whichever ``install`` timed faster on this machine (MKL's one-row path differs by weight layout)."""
+    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, takes for several rows the path its
+    plan names for that row count (stock ``F.linear``, oneDNN over a packed weight, or the native kernel),
+    and for one row either stock ``F.linear`` or a product with a transposed copy of the weight, whichever
+    ``install`` timed faster on this machine (MKL's one-row path differs by weight layout)."""
 
     _mtpflow_pack: tuple | None = None  # (weight version key, packed weight)
     _mtpflow_t: tuple | None = None  # (weight version key, weight.t().contiguous())
+    _mtpflow_panels: tuple | None = None  # (weight version key, native_linear.pack_panels(weight))
     _mtpflow_one_row_transposed = False
-    # per entry of ROW_BUCKETS: take the oneDNN packed path for that many rows (else stock F.linear)
-    _mtpflow_pack_rows: tuple[bool, ...] = (True,) * len(ROW_BUCKETS)
+    # per entry of ROW_BUCKETS, the path for that many rows: "stock" (F.linear), "packed" (oneDNN), "native"
+    _mtpflow_row_paths: tuple[str, ...] = ("packed",) * len(ROW_BUCKETS)
 
     def _key(self) -> tuple:
         w = self.weight
@@ -100,6 +113,12 @@ class PackedLinear(torch.nn.Linear):
                 self._mtpflow_pack = (key, torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None))
         return self._mtpflow_pack[1]
 
+    def _panels(self) -> torch.Tensor:
+        key = self._key()
+        if self._mtpflow_panels is None or self._mtpflow_panels[0] != key:
+            self._mtpflow_panels = (key, native_linear.pack_panels(self.weight))
+        return self._mtpflow_panels[1]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not _active.get() or x.device.type != "cpu" or x.dtype != torch.float32 \
                 or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
@@ -110,8 +129,14 @@ class PackedLinear(torch.nn.Linear):
             y = x @ self._transposed_weight()
             return y if self.bias is None else y + self.bias
         rows = x.numel() // x.shape[-1]
-        if not self._mtpflow_pack_rows[_BUCKET_OF[rows] if rows < len(_BUCKET_OF) else -1]:
+        path = self._mtpflow_row_paths[_BUCKET_OF[rows] if rows < len(_BUCKET_OF) else -1]
+        if path == "stock":
             return F.linear(x, self.weight, self.bias)
+        if path == "native":
+            if rows <= ROW_BUCKETS[-1]:
+                panels = self._panels() if rows >= native_linear.PANEL_MIN_ROWS else None
+                return native_linear.linear(x, self.weight, self.bias, panels)
+            return F.linear(x, self.weight, self.bias)  # a long prompt's prefill: MKL's blocked GEMM is faster
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():
             rows = rows.contiguous()
@@ -152,22 +177,32 @@ def install(model: torch.nn.Module, plans: tuple[str, ...] | None = None) -> int
 
 
 def apply_plans(model: torch.nn.Module, plans: tuple[str, ...]) -> None:
-    """Set every PackedLinear of ``model`` to ``plans`` (one of PLANS per entry of ROW_BUCKETS)."""
+    """Set every PackedLinear of ``model`` to ``plans`` (one of PLANS per entry of ROW_BUCKETS); ``native``
+    where the kernel cannot be built here runs stock."""
     if len(plans) != len(ROW_BUCKETS) or any(p not in PLANS for p in plans):
         raise ValueError(f"plans must be {len(ROW_BUCKETS)} of {PLANS}, got {plans!r}")
     mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
     if not mods:
         return
     largest = max(mods, key=lambda m: m.weight.numel())
+    native = native_linear.available()
+
+    def path(plan: str, m: torch.nn.Module) -> str:
+        if plan == "packed" or (plan == "head" and m is largest):
+            return "packed"
+        return "native" if plan == "native" and native else "stock"
+
     for m in mods:
-        m._mtpflow_pack_rows = tuple(p == "packed" or (p == "head" and m is largest) for p in plans)
+        m._mtpflow_row_paths = tuple(path(p, m) for p in plans)
     model._mtpflow_linear_plans = tuple(plans)
 
 
 @torch.inference_mode()
-def time_plans(model: torch.nn.Module, repeats: int = 5) -> dict[int, dict[str, float]]:
-    """{rows: {plan: median seconds}} of whole-model forwards of ``rows`` random tokens (no cache: attention
-    over a few tokens is the same for every plan), plans interleaved so background load hits them alike."""
+def time_plans(model: torch.nn.Module, repeats: int = 7) -> dict[int, dict[str, float]]:
+    """{rows: {plan: fastest seconds}} of whole-model forwards of ``rows`` random tokens (no cache: attention
+    over a few tokens is the same for every plan), plans interleaved so background load hits them alike; the
+    fastest of the repeats, because load on a shared machine only ever adds time (a median still moved the
+    choice between runs on a 2-core host)."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     if vocab <= 0:
         return {}
@@ -178,15 +213,15 @@ def time_plans(model: torch.nn.Module, repeats: int = 5) -> dict[int, dict[str, 
     try:
         for rows in ROW_BUCKETS:
             ids = torch.randint(0, vocab, (1, rows), generator=g)
-            times: dict[str, list[float]] = {p: [] for p in PLANS}
+            times: dict[str, list[float]] = {p: [] for p in available_plans()}
             for i in range(repeats + 1):
-                for plan in PLANS:
+                for plan in times:
                     apply_plans(model, (plan,) * len(ROW_BUCKETS))
                     t0 = time.perf_counter()
                     model(input_ids=ids, use_cache=False)
                     if i:  # the first round warms up (and packs the weights)
                         times[plan].append(time.perf_counter() - t0)
-            out[rows] = {p: statistics.median(v) for p, v in times.items()}
+            out[rows] = {p: min(v) for p, v in times.items()}
     finally:
         _active.reset(token)
         if saved is not None:
@@ -211,12 +246,13 @@ def _plans_cache_path(model: torch.nn.Module):
 
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
     return measurement_path("cpu_linear", cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
-                            ROW_BUCKETS, PLANS, [list(s) for s in shapes])
+                            ROW_BUCKETS, available_plans(), native_linear.source_hash() if native_linear.available() else "",
+                            [list(s) for s in shapes])
 
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
-    (``time_plans``, about 9 s for the 135M default model on a 2-core CPU) and stored. Models too small for
+    (``time_plans``, about 12 s for the 135M default model on a 2-core CPU) and stored. Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
     cannot be timed, keep oneDNN packed everywhere."""
     if linear_bytes(model) < 4 << 20:
@@ -225,7 +261,7 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
 
     path = _plans_cache_path(model)
     stored = tuple((read_measurement(path) or {}).get("plans") or ())
-    if len(stored) == len(ROW_BUCKETS) and all(p in PLANS for p in stored):
+    if len(stored) == len(ROW_BUCKETS) and all(p in available_plans() for p in stored):
         return stored
     try:
         timed = time_plans(model)
@@ -265,8 +301,9 @@ def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margi
 
 def state(model: torch.nn.Module) -> str:
     """"stock", or "packed" / "packed+t1" (with the transposed one-row path) followed by the multi-row plans
-    when they are not oneDNN everywhere (e.g. "packed+t1[stock,stock,head,head,head]"): which linears a
-    forward of ``model`` here would use; part of the verify-cost cache key."""
+    when they are not oneDNN everywhere (e.g. "packed+t1[stock,stock,head,head,head]"), and the native
+    kernels' version where a plan uses them: which linears a forward of ``model`` here would use; part of
+    the verify-cost cache key."""
     mods = [m for m in model.modules() if isinstance(m, PackedLinear)] if _active.get() else []
     if not mods:
         return "stock"
@@ -274,6 +311,8 @@ def state(model: torch.nn.Module) -> str:
     plans = getattr(model, "_mtpflow_linear_plans", None)
     if plans and any(p != "packed" for p in plans):
         name += "[" + ",".join(plans) + "]"
+    if plans and "native" in plans and native_linear.available():
+        name += " native:" + native_linear.source_hash()[:10]  # a changed kernel is measured anew
     return name
 
 
