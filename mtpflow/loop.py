@@ -136,6 +136,7 @@ class DecodeLoop:
 
         prompt = context.prompt_tokens
         target = Target(loaded.model, need_hidden=self.need_hidden)
+        extras["target"] = target  # read by stages that share its KV cache (the self-draft of draft_model)
         logits, hidden = target.prefill(prompt)
         stats.prefill_seconds = time.perf_counter() - t_start
         first = choose(logits[-1], context.sampling, generator)

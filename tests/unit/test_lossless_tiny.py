@@ -49,3 +49,32 @@ def test_other_seeds_and_depths():
         for ids in prompts(len(loaded.tokenizer), 3, seed=seed):
             pipe = make_pipeline(loaded, "pld", "max_new_tokens=48", "strategy.propose.min_ngram=1")
             assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 48)
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_self_draft_on_the_shared_cache_is_lossless(layers):
+    loaded = tiny_loaded(seed=4, layers=3)
+    for ids in prompts(len(loaded.tokenizer), 3, seed=layers):
+        pipe = make_pipeline(loaded, "draft_model", "max_new_tokens=40", f"strategy.propose.layers={layers}",
+                             "strategy.propose.cost_aware=false")
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(loaded.model, ids, 40)
+        assert result.stats["draft_tokens"] > 0  # it really drafted (cost_aware off)
+
+
+def test_a_self_draft_with_every_layer_is_always_accepted():
+    """With all of the target's layers the self-draft is the target itself: drafting on the target's cache
+    (right positions, cropped back before the verify) must reproduce its greedy choices, so every draft
+    token is accepted."""
+    loaded = tiny_loaded(seed=4, layers=3)
+    checked = 0
+    for ids in prompts(len(loaded.tokenizer), 3, seed=9):
+        pipe = make_pipeline(loaded, "draft_model", "max_new_tokens=40", "strategy.propose.layers=3",
+                             "strategy.propose.cost_aware=false")
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(loaded.model, ids, 40)
+        if len(result.token_ids) >= 10:  # (one of these prompts ends at once)
+            checked += 1
+            assert result.stats["draft_tokens"] > 0 and result.stats["acceptance_rate"] == 1.0
+            assert result.stats["mal"] > 4  # K = 6: up to 7 tokens a step
+    assert checked >= 2
