@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import copy
 import time
+from dataclasses import replace
 
 import torch
 from transformers import DynamicCache
@@ -150,14 +151,8 @@ class DraftModelProposer:
         logits = self._forward(tokens[self.cached :], self.cached)
         self.cached = len(tokens)
         drafted, dists = [], []
-        rng = state.extras.get("rng")
         for i in range(k):
-            if state.sampling.greedy:
-                tok = int(logits.argmax())
-            else:
-                q = target_probs(logits, state.sampling)
-                tok = int(torch.multinomial(q, 1, generator=rng))
-                dists.append(q)
+            tok = _pick(logits, state, dists)
             drafted.append(tok)
             if i + 1 < k:
                 t0 = time.perf_counter()
@@ -170,12 +165,7 @@ class DraftModelProposer:
         drop = self.cache.get_seq_length() - self.cached
         if drop > 0:
             self.cache.crop(-drop)
-        draft = Draft.chain(drafted, source="draft_model")
-        if dists:
-            from dataclasses import replace
-
-            draft = replace(draft, dists=torch.stack(dists))
-        return draft
+        return _chain(drafted, dists)
 
     @torch.inference_mode()
     def _shared_draft(self, state: DecodeState, k: int, target) -> Draft:
@@ -185,7 +175,6 @@ class DraftModelProposer:
         dev = target.device
         position = state.next_position - target.position_shift  # the root's position as the model sees it
         token, drafted, dists = state.root_token, [], []
-        rng = state.extras.get("rng")
         try:
             for i in range(k):
                 t0 = time.perf_counter()
@@ -193,25 +182,14 @@ class DraftModelProposer:
                                  position_ids=torch.tensor([[position + i]], device=dev),
                                  cache=cache, use_cache=True, logits_to_keep=1)
                 self._time_draft(time.perf_counter() - t0)
-                logits = out.logits[0, -1].float().cpu()
-                if state.sampling.greedy:
-                    token = int(logits.argmax())
-                else:
-                    q = target_probs(logits, state.sampling)
-                    token = int(torch.multinomial(q, 1, generator=rng))
-                    dists.append(q)
+                token = _pick(out.logits[0, -1].float().cpu(), state, dists)
                 drafted.append(token)
         finally:
             for layer in cache.layers[: int(self.layers)]:
                 extra = int(layer.keys.shape[-2]) - start if getattr(layer, "keys", None) is not None else 0
                 if extra > 0:
                     layer.crop(-extra)
-        draft = Draft.chain(drafted, source="draft_model")
-        if dists:
-            from dataclasses import replace
-
-            draft = replace(draft, dists=torch.stack(dists))
-        return draft
+        return _chain(drafted, dists)
 
     def _time_draft(self, seconds: float) -> None:
         # the fastest of the last 8: load only ever adds time, and a process's first draft forward pays one-time
@@ -219,3 +197,18 @@ class DraftModelProposer:
         # mean carried through a whole run of rare probes
         self._draft_times.append(seconds)
         self.draft_seconds = min(self._draft_times)
+
+
+def _pick(logits: torch.Tensor, state: DecodeState, dists: list[torch.Tensor]) -> int:
+    """The next draft token: greedy, or sampled from the draft distribution (appended to ``dists``, which
+    speculative sampling needs)."""
+    if state.sampling.greedy:
+        return int(logits.argmax())
+    q = target_probs(logits, state.sampling)
+    dists.append(q)
+    return int(torch.multinomial(q, 1, generator=state.extras.get("rng")))
+
+
+def _chain(drafted: list[int], dists: list[torch.Tensor]) -> Draft:
+    draft = Draft.chain(drafted, source="draft_model")
+    return replace(draft, dists=torch.stack(dists)) if dists else draft
