@@ -16,7 +16,7 @@ Xeon with AVX-512 stock MKL ran 2-3 rows through the whole model in about the ti
 oneDNN, whose per-call overhead dominates the small layers), and oneDNN won only on the LM head from 3 rows
 up. Neither reads the weights at memory speed for a few rows, so a fourth path is mtpflow's own kernel
 (``native_linear``: ``small_gemm.c``, compiled on first use), which on that Xeon ran 5 rows through the
-whole model in 54 ms against 71 ms for the best of the others and 50 ms for one row. ``install`` times
+whole model in 36 ms against 49 ms for the best of the others and about 33 ms for one row. ``install`` times
 whole-model forwards of 2, 3, 5, 9 and 17 rows under four *plans* -- stock everywhere, packed everywhere,
 packed on the largest linear (the LM head) only, native everywhere (where it could be built) -- and keeps
 the fastest per row count (about 12 s at first load for the default model); the choice is cached per CPU,
@@ -173,6 +173,7 @@ def install(model: torch.nn.Module, plans: tuple[str, ...] | None = None) -> int
         module.__class__ = PackedLinear
         module._mtpflow_one_row_transposed = transposed
     apply_plans(model, plans if plans is not None else load_plans(model))
+    drop_unused_copies(model)  # what timing the plans built for paths not chosen
     return len(fresh)
 
 
@@ -195,6 +196,17 @@ def apply_plans(model: torch.nn.Module, plans: tuple[str, ...]) -> None:
     for m in mods:
         m._mtpflow_row_paths = tuple(path(p, m) for p in plans)
     model._mtpflow_linear_plans = tuple(plans)
+
+
+def drop_unused_copies(model: torch.nn.Module) -> None:
+    """Free the oneDNN packed copies and native panels that no row count's path uses any more (timing all
+    plans builds every kind; each is a full copy of the linear weights)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            if "packed" not in m._mtpflow_row_paths:
+                m._mtpflow_pack = None
+            if "native" not in m._mtpflow_row_paths:
+                m._mtpflow_panels = None
 
 
 @torch.inference_mode()
@@ -226,6 +238,7 @@ def time_plans(model: torch.nn.Module, repeats: int = 7) -> dict[int, dict[str, 
         _active.reset(token)
         if saved is not None:
             apply_plans(model, saved)
+            drop_unused_copies(model)  # (a first install drops them after applying its plans)
     return out
 
 
@@ -246,8 +259,12 @@ def _plans_cache_path(model: torch.nn.Module):
 
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
     return measurement_path("cpu_linear", cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
-                            ROW_BUCKETS, available_plans(), native_linear.source_hash() if native_linear.available() else "",
-                            [list(s) for s in shapes])
+                            ROW_BUCKETS, available_plans(), _native_version(), [list(s) for s in shapes])
+
+
+def _native_version() -> str:
+    """The native kernels' version where they are built here, else "" (part of the cache keys)."""
+    return native_linear.source_hash()[:10] if native_linear.available() else ""
 
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
@@ -311,8 +328,8 @@ def state(model: torch.nn.Module) -> str:
     plans = getattr(model, "_mtpflow_linear_plans", None)
     if plans and any(p != "packed" for p in plans):
         name += "[" + ",".join(plans) + "]"
-    if plans and "native" in plans and native_linear.available():
-        name += " native:" + native_linear.source_hash()[:10]  # a changed kernel is measured anew
+    if plans and "native" in plans and _native_version():
+        name += " native:" + _native_version()  # a changed kernel is measured anew
     return name
 
 

@@ -2,8 +2,8 @@
 
 Why: on a CPU a verify forward of 1 + K rows is bound by reading the weights, yet MKL's and oneDNN's
 float32 paths for 2 to 17 rows read them far slower than for one row (on the 2-core Intel Xeon this was
-built on, whole-model forwards of SmolLM2-135M: 1 row 50 ms; 5 rows 71 ms with the best of MKL / oneDNN,
-54 ms with this kernel; 9 rows 83 vs 69 ms, 43 ms with the panel kernel). Up to ``PANEL_MIN_ROWS - 1``
+built on, whole-model forwards of SmolLM2-135M, fastest of 7, best of MKL / oneDNN vs these kernels: 5 rows
+49 vs 36 ms, 9 rows 54 vs 47 ms, 17 rows 97 vs 76 ms; one row about 33 ms). Up to ``PANEL_MIN_ROWS - 1``
 rows the kernel reads each weight row once for all input rows and prefetches the next rows while it
 computes; from ``PANEL_MIN_ROWS`` rows, where arithmetic starts to show, a second kernel runs over a copy of
 the weight laid out in panels (``pack_panels``, built on first use by the caller); see the C file for how.

@@ -222,28 +222,12 @@ def plot_speedups(table, path: Path) -> None:
 
 
 def measure_verify_cost(loaded, ks=(0, 1, 2, 4, 8, 16), context: int = 256, repeats: int = 8) -> list[dict]:
-    """Seconds per verify forward feeding the root plus K draft tokens on a ``context``-token cache: median and
-    fastest of ``repeats``, the Ks interleaved so background load drifts hit them alike; ``cost_vs_k0`` is
-    the ratio of the fastest times (load on a shared machine only ever adds time)."""
-    from mtpflow.target import Target
-    from mtpflow.types import Draft
+    """Milliseconds per verify forward feeding the root plus K draft tokens on a ``context``-token cache:
+    median and fastest of ``repeats`` interleaved rounds (``time_verify_forwards``, as the cost models
+    measure); ``cost_vs_k0`` is the ratio of the fastest (load on a shared machine only ever adds time)."""
+    from mtpflow.strategies.hardware import time_verify_forwards
 
-    g = torch.Generator().manual_seed(0)
-    vocab = loaded.model.config.vocab_size
-    prompt = torch.randint(0, vocab, (context,), generator=g)
-    target = Target(loaded.model)
-    target.prefill(prompt)
-    drafts = {k: Draft.chain(torch.randint(0, vocab, (k,), generator=g)) for k in ks}
-    times: dict[int, list[float]] = {k: [] for k in ks}
-    for i in range(repeats + 2):
-        for k in ks:
-            start = target.cache_len
-            v = target.verify(1, drafts[k], root_position=start)
-            target.commit(start, drafts[k].num_nodes, torch.zeros(0, dtype=torch.long))
-            target.cache.crop(-1)
-            target.cache_len = start
-            if i >= 2:  # the first rounds warm up
-                times[k].append(v.forward_seconds)
+    times = time_verify_forwards(loaded.model, list(ks), context, repeats)
     rows = [{"k": k, "tokens_per_forward": k + 1, "median_ms": round(1000 * statistics.median(t), 2),
              "min_ms": round(1000 * min(t), 2)} for k, t in times.items()]
     base = rows[0]["min_ms"]

@@ -56,7 +56,9 @@ class DecodeState:
     # ``needs_hidden_states: true``.
     hidden: torch.Tensor | None = None
     context_window: int | None = None  # proposers should look at only the last N tokens, if set
-    extras: dict[str, Any] = field(default_factory=dict)  # run-level facts (e.g. domain), read-only for stages
+    # run-level facts (e.g. domain, the run's "rng", the "target" whose KV cache a self-draft shares), read-only
+    # for stages
+    extras: dict[str, Any] = field(default_factory=dict)
 
     @property
     def generated(self) -> torch.Tensor:

@@ -9,7 +9,6 @@ small K, or 0, unless drafts are accepted often; the CPU default is therefore ``
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -48,12 +47,17 @@ def best_k(costs: dict[int, float], acceptance: float) -> int:
     return max(sorted(costs), key=lambda k: expected_tokens(acceptance, k) / costs[k])
 
 
-@torch.inference_mode()
 def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Fastest seconds of a verify forward feeding the root plus K random draft tokens on a ``context``-token
-    cache, for each K; the Ks are interleaved so background load drifts hit them alike, and the fastest of
-    the repeats is kept because load on a shared machine only ever adds time (with medians, a 2-core host
-    under load measured 2 draft tokens dearer than 4)."""
+    """Fastest seconds of a verify forward per K (``time_verify_forwards``): load on a shared machine only
+    ever adds time (with medians, a 2-core host under load measured 2 draft tokens dearer than 4)."""
+    return {k: min(v) for k, v in time_verify_forwards(model, ks, context, repeats).items()}
+
+
+@torch.inference_mode()
+def time_verify_forwards(model, ks, context: int, repeats: int) -> dict[int, list[float]]:
+    """{K: ``repeats`` timings in seconds} of a verify forward feeding the root plus K random draft tokens on a
+    ``context``-token cache; the Ks are interleaved so background load drifts hit them alike, after one
+    warm-up round."""
     from tqdm import tqdm
 
     from mtpflow.target import Target
@@ -80,7 +84,7 @@ def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> di
             seconds = time.perf_counter() - t0
             if i:  # the first round warms up kernels and allocators
                 times[k].append(seconds)
-    return {k: min(v) for k, v in times.items()}
+    return times
 
 
 def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: list[int], host: str = "") -> Path:

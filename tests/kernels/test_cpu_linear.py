@@ -167,6 +167,11 @@ def test_time_plans_runs_every_plan_and_restores_the_model():
     assert set(timed) == set(cpu_linear.ROW_BUCKETS)
     assert all(set(v) == set(cpu_linear.available_plans()) and min(v.values()) > 0 for v in timed.values())
     assert model._mtpflow_linear_plans == ("stock",) * 5
+    layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
+    assert all(m._mtpflow_pack is None and m._mtpflow_panels is None for m in layers)  # timing copies freed
+    cpu_linear.apply_plans(model, ("packed",) * 5)
+    cpu_linear.time_plans(model, repeats=1)
+    assert all(m._mtpflow_pack is not None and m._mtpflow_panels is None for m in layers)  # in use: kept
 
 
 def test_a_model_whose_forward_cannot_be_timed_keeps_packed(tmp_path, monkeypatch):
