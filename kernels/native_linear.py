@@ -116,21 +116,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            panels: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 CPU tensors through the native kernels (x: ``(..., in)``);
     with ``panels`` (``pack_panels(weight)``) and at least PANEL_MIN_ROWS rows, the panel kernel. Callers
-    check ``available()`` first."""
-    rows = x.reshape(-1, x.shape[-1])
-    if not rows.is_contiguous():
-        rows = rows.contiguous()
-    w = weight if weight.is_contiguous() else weight.contiguous()
-    b = None if bias is None else (bias if bias.is_contiguous() else bias.contiguous())
-    m, k = rows.shape
-    n = w.shape[0]
-    y = torch.empty((m, n), dtype=torch.float32)
-    bias_ptr = None if b is None else b.data_ptr()
+    check ``available()`` first. Called for every linear of a verify forward (211 per forward of the default
+    model), so it allocates the output in its final shape and does nothing it can skip."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    k = x.shape[-1]
+    m, n = x.numel() // k, weight.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.data_ptr()
     lib = library() if lib is None else lib
     if panels is not None and m >= PANEL_MIN_ROWS:
-        lib.mtpflow_panel_gemm(rows.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
+        lib.mtpflow_panel_gemm(x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
                                torch.get_num_threads())
     else:
-        lib.mtpflow_small_gemm(rows.data_ptr(), w.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
+        lib.mtpflow_small_gemm(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
                                torch.get_num_threads())
-    return y.reshape(*x.shape[:-1], n)
+    return y

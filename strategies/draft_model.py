@@ -69,7 +69,7 @@ class DraftModelProposer:
         self.given_costs = check_costs(costs)
         self.draft = None
         self.cache = None
-        self.cached = 0  # committed tokens in the draft cache
+        self.cached = 0  # committed tokens in a separate draft model's cache
         self.curve: CostCurve | None = None
         self.base_seconds = 0.0  # a one-token target forward
         self.draft_seconds: float | None = None  # time of one draft forward: the fastest of the recent ones
@@ -88,7 +88,8 @@ class DraftModelProposer:
             self.draft = loaded.model
         else:
             self.draft = truncated_model(context.model, int(self.layers))
-        self.cache = DynamicCache(config=self.draft.config)
+        # a separate draft model keeps its own cache; the self-draft uses the target's (``_shared_draft``)
+        self.cache = DynamicCache(config=self.draft.config) if self.model_name else None
         self.cached = 0
         facts = {"draft_model": self.model_name or f"target[:{self.layers} layers]"}
         if self.cost_aware:
@@ -143,9 +144,8 @@ class DraftModelProposer:
         if k == 0:
             self.skipped += 1
             return Draft.empty("draft_model")
-        target = state.extras.get("target")
-        if self.model_name is None and target is not None:
-            return self._shared_draft(state, k, target)
+        if self.model_name is None:
+            return self._shared_draft(state, k, state.extras["target"])  # the loop provides its Target
         tokens = state.tokens.tolist()
         # The draft cache holds committed tokens only; catch up on everything committed since last time.
         logits = self._forward(tokens[self.cached :], self.cached)

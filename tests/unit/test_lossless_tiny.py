@@ -78,3 +78,28 @@ def test_a_self_draft_with_every_layer_is_always_accepted():
             assert result.stats["draft_tokens"] > 0 and result.stats["acceptance_rate"] == 1.0
             assert result.stats["mal"] > 4  # K = 6: up to 7 tokens a step
     assert checked >= 2
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_a_separate_draft_model_on_its_own_cache_is_lossless(tmp_path, same):
+    """``strategy.propose.model=<path>``: the draft model keeps its own cache and catches it up on the tokens
+    committed since its last draft. Drafting with a copy of the target itself, every draft token must be
+    accepted; with another model, the output must still be the target's."""
+    from helpers import make_tiny_tokenizer
+
+    loaded = tiny_loaded(seed=4, layers=3)
+    draft = loaded.model if same else make_tiny_model(len(loaded.tokenizer), seed=7, layers=1)
+    draft.save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    checked = 0
+    for ids in prompts(len(loaded.tokenizer), 3, seed=9):
+        pipe = make_pipeline(loaded, "draft_model", "max_new_tokens=40", f"strategy.propose.model={tmp_path}",
+                             "strategy.propose.cost_aware=false")
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(loaded.model, ids, 40)
+        if len(result.token_ids) >= 10:
+            checked += 1
+            assert result.stats["draft_tokens"] > 0
+            if same:
+                assert result.stats["acceptance_rate"] == 1.0 and result.stats["mal"] > 4
+    assert checked >= 2
