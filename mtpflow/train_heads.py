@@ -2,6 +2,7 @@
 
     python -m mtpflow.train_heads                                # the default model -> <cache>/heads/smollm2
     python -m mtpflow.train_heads model=hf model.name=ID out=DIR data.samples=512
+    python -m mtpflow.train_heads "kinds=[]"                     # only the training text
 
 The base model writes its own training text (``mtpflow.head_data``), then Medusa heads and the EAGLE layer
 learn to predict the model's own greedy choices; each kind is saved to ``out/<kind>/`` and loaded with
@@ -234,11 +235,36 @@ def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple
     return drafter.eval(), {"held_out_top1": best.metrics, "best_step": best.step}, layer_cfg
 
 
+def data_folder(cfg: DictConfig, model_id: str) -> tuple[Path, dict]:
+    """(shard folder, data settings): ``data.folder`` if set, else one folder per model and data settings under
+    the cache, so a rerun with the same settings resumes and reuses the text."""
+    from mtpflow.head_data import settings_key
+    from mtpflow.model import cache_dir
+
+    settings = OmegaConf.to_container(cfg.data, resolve=True)
+    settings.pop("folder", None)
+    if cfg.data.folder:
+        return Path(cfg.data.folder).expanduser(), settings
+    key = settings_key(model_id, {**settings, "chat": bool(cfg.chat)})
+    return cache_dir() / "head_data" / f"{model_slug(cfg.model.name)}-{key}", settings
+
+
+def writable_folder(path: Path) -> None:
+    """Create ``path`` and check a file can be written there; a clear error instead of a traceback later."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".mtpflow-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to {path}: {exc.strerror or exc}") from None
+
+
 def run(cfg: DictConfig, loaded=None) -> Path:
-    """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out``; ``loaded`` hands in
-    a model already in memory (tests)."""
+    """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
+    ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
     from mtpflow.model import cache_dir, encode_prompt, load_model
-    from mtpflow.head_data import generate_data, load_shards, settings_key
+    from mtpflow.head_data import generate_data, load_shards
 
     kinds = list(cfg.kinds)
     for kind in kinds:
@@ -254,12 +280,10 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     model = loaded.model
     for p in model.parameters():
         p.requires_grad_(False)
-    slug = model_slug(m.name)
-    out = Path(cfg.out).expanduser() if cfg.out else cache_dir() / "heads" / slug
-    data_settings = OmegaConf.to_container(cfg.data, resolve=True)
-    data_settings.pop("folder", None)
-    folder = Path(cfg.data.folder).expanduser() if cfg.data.folder else \
-        cache_dir() / "head_data" / f"{slug}-{settings_key(loaded.model_id, {**data_settings, 'chat': bool(cfg.chat)})}"
+    out = Path(cfg.out).expanduser() if cfg.out else cache_dir() / "heads" / model_slug(m.name)
+    folder, data_settings = data_folder(cfg, loaded.model_id)
+    for path in (folder, out) if kinds else (folder,):  # before the model writes half an hour of text
+        writable_folder(path)
     print(f"training data: {folder}", file=sys.stderr)
 
     def encode(prompt):
@@ -268,6 +292,10 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     shards = generate_data(loaded, cfg.data, folder, encode)
     t_data = time.perf_counter() - t0
     records = load_shards(shards)
+    if not kinds:  # kinds=[]: only write (or complete) the training text
+        print(f"training data ready in {t_data / 60:.1f} min: {len(records)} sequences, "
+              f"{sum(int(r['tokens'].numel()) - r['prompt_len'] for r in records)} tokens -> {folder}", file=sys.stderr)
+        return folder
     held_out, train = split_by_prompt(records, 0.1, int(cfg.seed))
     lm_weight = model.get_output_embeddings().weight.detach().float().cpu()
     vocab, hidden = int(lm_weight.shape[0]), int(model.config.hidden_size)

@@ -98,6 +98,28 @@ def test_training_smoke_on_tiny(tmp_path):
         assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 16)
 
 
+def test_data_only_run_and_unwritable_folders(tmp_path):
+    """``kinds=[]`` only writes the training text (and returns its folder, creating no heads folder); a heads
+    or data folder that cannot be written is a one-line error before the model writes any text."""
+    from mtpflow.errors import UserError
+    from mtpflow.train_heads import compose, main, run
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the quick brown fox"}) + "\n")
+    loaded = tiny_loaded(seed=0)
+    base = [f"data.prompts={prompts}", "data.samples=2", "data.batch_size=2", "data.max_new_tokens=4", "chat=false"]
+    data = tmp_path / "data"
+    assert run(compose(base + ["kinds=[]", f"data.folder={data}", f"out={tmp_path / 'none'}"]), loaded=loaded) == data
+    assert len(list(data.glob("shard_*.pt"))) == 1 and not (tmp_path / "none").exists()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    for bad in ([f"data.folder={data}", f"out={blocker / 'heads'}"], [f"data.folder={blocker / 'data'}"]):
+        with pytest.raises(UserError, match="cannot write to .*a-file"):
+            run(compose(base + bad), loaded=loaded)
+    assert list(data.glob("shard_*.pt"))  # the text already written is kept
+    assert main(["model=hf", f"model.name={tmp_path / 'no-model'}", f"out={blocker / 'heads'}"]) == 2
+
+
 def test_held_out_split_is_by_prompt():
     """Every prompt is sampled several times (greedy and at temperature): the held-out sequences must come
     from prompts the heads never trained on, or the held-out accuracy measures memorisation."""
