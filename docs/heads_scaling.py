@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import make_pipeline  # noqa: E402
 
 from mtpflow.bench import load_prompt_suite  # noqa: E402
-from mtpflow.head_data import load_shards  # noqa: E402
+from mtpflow.head_data import generated_tokens as tokens, load_shards  # noqa: E402
 from mtpflow.model import load_model  # noqa: E402
 from mtpflow.strategies.head_modules import draft_index, save_heads  # noqa: E402
 from mtpflow.train_heads import compose, data_folder, pick_draft_vocab, split_by_prompt, train_eagle  # noqa: E402
@@ -45,10 +45,6 @@ lm_weight = L.model.get_output_embeddings().weight.detach().float()
 embed_weight = L.model.get_input_embeddings().weight.detach().float()
 vocab, hidden = lm_weight.shape[0], L.model.config.hidden_size
 suite = load_prompt_suite(limit=limit)
-
-
-def tokens(recs):
-    return sum(int(r["tokens"].numel()) - r["prompt_len"] for r in recs)
 
 
 rows = []

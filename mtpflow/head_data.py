@@ -152,8 +152,13 @@ def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
         tmp = path.with_suffix(".tmp")
         torch.save(records, tmp)
         tmp.replace(path)
-        bar.set_postfix(tokens=sum(int(r["tokens"].numel()) - r["prompt_len"] for r in records))
+        bar.set_postfix(tokens=generated_tokens(records))
     return shards
+
+
+def generated_tokens(records: list[dict]) -> int:
+    """Tokens the model wrote in ``records`` (prompts not counted)."""
+    return sum(int(r["tokens"].numel()) - r["prompt_len"] for r in records)
 
 
 def load_shards(paths: list[Path]) -> list[dict]:

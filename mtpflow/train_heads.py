@@ -125,6 +125,14 @@ class Checkpoint:
             self.module.load_state_dict(self.state)
 
 
+def lr_schedule(opt, lr: float, steps: int):
+    """One cycle with a 5% warm-up; a constant rate for runs of under 40 steps, too short for a warm-up (torch's
+    OneCycleLR divides by zero when its warm-up is exactly one step, e.g. 20 steps at 5%)."""
+    if steps < 40:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+
+
 def head_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     valid = labels >= 0
     return float((logits.argmax(-1) == labels)[valid].float().mean()) if bool(valid.any()) else 0.0
@@ -138,7 +146,7 @@ def train_medusa(cfg, records, held_out, lm, index, hidden, seed) -> tuple[Medus
     xv, yv = medusa_examples(held_out, k, index)
     opt = torch.optim.AdamW(heads.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
     steps, batch = int(cfg.steps), int(cfg.batch_tokens)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(cfg.lr), total_steps=max(steps, 1), pct_start=0.05)
+    sched = lr_schedule(opt, float(cfg.lr), steps)
     weights = torch.tensor([float(cfg.head_decay) ** i for i in range(k)])
     g = torch.Generator().manual_seed(seed)
 
@@ -201,7 +209,7 @@ def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple
     drafter = EagleDrafter(hidden, heads, int(cfg.intermediate_size), int(cfg.window))
     opt = torch.optim.AdamW(drafter.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
     steps = int(cfg.steps)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=float(cfg.lr), total_steps=max(steps, 1), pct_start=0.05)
+    sched = lr_schedule(opt, float(cfg.lr), steps)
     g = torch.Generator().manual_seed(seed)
     held = eagle_batch(held_out[:64], int(cfg.sequence_length), torch.Generator().manual_seed(seed + 1), embed, index, 0.0)
 
@@ -264,7 +272,7 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
     ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
     from mtpflow.model import cache_dir, encode_prompt, load_model
-    from mtpflow.head_data import generate_data, load_shards
+    from mtpflow.head_data import generate_data, generated_tokens, load_shards
 
     kinds = list(cfg.kinds)
     for kind in kinds:
@@ -292,9 +300,10 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     shards = generate_data(loaded, cfg.data, folder, encode)
     t_data = time.perf_counter() - t0
     records = load_shards(shards)
+    generated = generated_tokens(records)
     if not kinds:  # kinds=[]: only write (or complete) the training text
-        print(f"training data ready in {t_data / 60:.1f} min: {len(records)} sequences, "
-              f"{sum(int(r['tokens'].numel()) - r['prompt_len'] for r in records)} tokens -> {folder}", file=sys.stderr)
+        print(f"training data ready in {t_data / 60:.1f} min: {len(records)} sequences, {generated} tokens -> "
+              f"{folder}", file=sys.stderr)
         return folder
     held_out, train = split_by_prompt(records, 0.1, int(cfg.seed))
     lm_weight = model.get_output_embeddings().weight.detach().float().cpu()
@@ -311,7 +320,6 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     def embed(ids):
         return embed_weight[ids]
 
-    generated = sum(int(r["tokens"].numel()) - r["prompt_len"] for r in records)
     base = {"model_id": loaded.model_id, "model_name": str(m.name), "hidden_size": hidden, "vocab_size": vocab}
     training = {"sequences": len(records), "held_out_sequences": len(held_out) if held_out is not train else 0,
                 "generated_tokens": generated, "data_seconds": round(t_data, 1),

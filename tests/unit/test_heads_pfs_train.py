@@ -98,9 +98,10 @@ def test_training_smoke_on_tiny(tmp_path):
         assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 16)
 
 
-def test_data_only_run_and_unwritable_folders(tmp_path):
+def test_data_only_run_unwritable_folders_and_short_runs(tmp_path, capsys):
     """``kinds=[]`` only writes the training text (and returns its folder, creating no heads folder); a heads
-    or data folder that cannot be written is a one-line error before the model writes any text."""
+    or data folder that cannot be written is a one-line error before the model writes any text; short runs
+    train."""
     from mtpflow.errors import UserError
     from mtpflow.train_heads import compose, main, run
 
@@ -117,7 +118,17 @@ def test_data_only_run_and_unwritable_folders(tmp_path):
         with pytest.raises(UserError, match="cannot write to .*a-file"):
             run(compose(base + bad), loaded=loaded)
     assert list(data.glob("shard_*.pt"))  # the text already written is kept
+    # any step count trains, including 20 (OneCycleLR's warm-up would be one step: a division by zero)
+    for steps in (1, 20, 40):
+        run(compose(base + [f"data.folder={data}", f"out={tmp_path / 'heads'}", "draft_vocab=64", "medusa.num_heads=2",
+                            f"medusa.steps={steps}", f"eagle.steps={steps}", "eagle.eval_every=10",
+                            "medusa.eval_every=10", "eagle.window=8", "eagle.sequence_length=8",
+                            "eagle.intermediate_size=32", "eagle.batch_sequences=2"]), loaded=loaded)
+    # the command line turns these errors into one line and exit 2 (here a missing model, found first)
+    capsys.readouterr()  # drop the progress bars of the runs above
     assert main(["model=hf", f"model.name={tmp_path / 'no-model'}", f"out={blocker / 'heads'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mtpflow.train_heads: error:") and "\n" not in err and "Traceback" not in err
 
 
 def test_held_out_split_is_by_prompt():
