@@ -11,7 +11,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from mtpflow.errors import ConfigError, UserError, check_range
+from mtpflow.errors import ConfigError, UserError, check_int, check_range
 
 SOURCE_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # a source checkout without install
 _compose_lock = threading.Lock()  # Hydra's global state is not thread-safe
@@ -114,17 +114,13 @@ def validate(cfg: DictConfig) -> None:
     """Check user-facing values (raises ConfigError with one line)."""
     if cfg.output not in ("text", "json"):
         raise ConfigError(f"output must be text or json, got {cfg.output!r}")
-    mnt = cfg.max_new_tokens
-    if isinstance(mnt, bool) or not isinstance(mnt, int) or mnt < 1:
-        raise ConfigError(f"max_new_tokens must be a positive integer, got {mnt!r}")
+    check_int("max_new_tokens", cfg.max_new_tokens, 1)
     t = cfg.get("temperature")
     if t is not None:
         check_range("temperature", t, 0, None)
     check_range("top_p", cfg.top_p, 0, 1, low_inclusive=False)
-    if isinstance(cfg.top_k, bool) or not isinstance(cfg.top_k, int) or cfg.top_k < 0:
-        raise ConfigError(f"top_k must be a non-negative integer, got {cfg.top_k!r}")
-    if not isinstance(cfg.seed, int):
-        raise ConfigError(f"seed must be an integer, got {cfg.seed!r}")
+    check_int("top_k", cfg.top_k, 0)
+    check_int("seed", cfg.seed)
     if cfg.get("k") is not None:
         from mtpflow.strategies.k_selectors import check_k
 

@@ -24,6 +24,20 @@ def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_
     return value
 
 
+def check_int(name: str, value, low=None, high=None) -> int:
+    """Raise ConfigError unless ``value`` is a whole number with low <= value <= high (bounds optional)."""
+    try:
+        whole = not isinstance(value, bool) and float(value).is_integer()
+    except (TypeError, ValueError):
+        whole = False
+    inside = whole and (low is None or int(value) >= low) and (high is None or int(value) <= high)
+    if not inside:
+        span = {(False, False): f" in [{low}, {high}]", (False, True): f" >= {low}", (True, False): f" <= {high}",
+                (True, True): ""}[(low is None, high is None)]
+        raise ConfigError(f"{name} must be a whole number{span}, got {value!r}")
+    return int(float(value))
+
+
 class PluginError(UserError):
     """A third-party plugin is broken: it cannot be imported, registers a hook that does not exist, or one of
     its hooks raised. The message names the plugin."""

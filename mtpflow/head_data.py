@@ -127,12 +127,11 @@ def length_buckets(encoded: list[list[int]], batch_size: int, bucket: int = BUCK
 
 
 def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
-    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed)."""
+    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed;
+    checked by ``train_heads.check_settings``)."""
     folder.mkdir(parents=True, exist_ok=True)
     prompts = load_prompts(cfg.prompts)
     samples, batch_size = int(cfg.samples), int(cfg.batch_size)
-    if samples < 1 or batch_size < 1 or int(cfg.max_new_tokens) < 2:
-        raise UserError("data.samples, data.batch_size must be >= 1 and data.max_new_tokens >= 2")
     temperatures = [float(t) for t in cfg.temperatures] or [0.0]
     eos = set(loaded.eos_token_ids)
     shards = []

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from mtpflow.errors import ConfigError, UserError
+from mtpflow.errors import ConfigError, UserError, check_int, check_range
 from mtpflow.strategies.head_modules import (
     EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads,
 )
@@ -268,18 +268,44 @@ def writable_folder(path: Path) -> None:
         raise UserError(f"cannot write to {path}: {exc.strerror or exc}") from None
 
 
+def check_settings(cfg: DictConfig) -> list[str]:
+    """Every training setting checked before the model loads (one line naming the setting, not a traceback
+    from deep in the optimiser half an hour later); returns the kinds to train."""
+    from omegaconf import ListConfig
+
+    if not isinstance(cfg.kinds, ListConfig):
+        raise ConfigError(f"kinds must be a list such as [medusa, eagle] or [], got {cfg.kinds!r}")
+    kinds = list(cfg.kinds)
+    for kind in kinds:
+        if kind not in ("medusa", "eagle"):
+            raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle)")
+    whole = {"data.samples": 1, "data.batch_size": 1, "data.bucket": 1, "data.max_new_tokens": 2, "draft_vocab": 0,
+             "threads": 0, "seed": 0, "data.seed": 0,
+             "medusa.num_heads": 1, "medusa.steps": 1, "medusa.batch_tokens": 1, "medusa.eval_every": 1,
+             "eagle.window": 1, "eagle.intermediate_size": 1, "eagle.attention_heads": 0, "eagle.steps": 1,
+             "eagle.batch_sequences": 1, "eagle.sequence_length": 1, "eagle.eval_every": 1}
+    for name, low in whole.items():
+        check_int(name, OmegaConf.select(cfg, name), low)
+    for kind in ("medusa", "eagle"):
+        check_range(f"{kind}.lr", cfg[kind].lr, 0, None, low_inclusive=False)
+        check_range(f"{kind}.weight_decay", cfg[kind].weight_decay, 0, None)
+    check_range("medusa.head_decay", cfg.medusa.head_decay, 0, 1, low_inclusive=False)
+    check_range("eagle.feature_weight", cfg.eagle.feature_weight, 0, None)
+    check_range("eagle.noise", cfg.eagle.noise, 0, None)
+    if not isinstance(cfg.data.temperatures, ListConfig):
+        raise ConfigError(f"data.temperatures must be a list such as [0.0, 0.5], got {cfg.data.temperatures!r}")
+    for t in cfg.data.temperatures:
+        check_range("data.temperatures", t, 0, None)
+    return kinds
+
+
 def run(cfg: DictConfig, loaded=None) -> Path:
     """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
     ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
     from mtpflow.model import cache_dir, encode_prompt, load_model
     from mtpflow.head_data import generate_data, generated_tokens, load_shards
 
-    kinds = list(cfg.kinds)
-    for kind in kinds:
-        if kind not in ("medusa", "eagle"):
-            raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle)")
-        if int(cfg[kind].steps) < 1 or int(cfg[kind].eval_every) < 1:
-            raise ConfigError(f"{kind}.steps and {kind}.eval_every must be >= 1")
+    kinds = check_settings(cfg)
     if int(cfg.threads) > 0:
         torch.set_num_threads(int(cfg.threads))
     t0 = time.perf_counter()

@@ -2,16 +2,14 @@
 shrinks after a rejection, within bounds."""
 from __future__ import annotations
 
-from mtpflow.errors import ConfigError, check_range
+from mtpflow.errors import ConfigError, check_int
 from mtpflow.hookspecs import hookimpl
 from mtpflow.loop import MAX_K
 from mtpflow.types import DecodeState, StepRecord
 
 
 def check_k(name: str, k) -> int:
-    if isinstance(k, bool) or not float(check_range(name, k, 0, MAX_K)).is_integer():
-        raise ConfigError(f"{name} must be an integer in [0, {MAX_K}], got {k!r}")
-    return int(k)
+    return check_int(name, k, 0, MAX_K)
 
 
 class FixedK:

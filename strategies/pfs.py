@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from mtpflow.errors import ConfigError, check_range
+from mtpflow.errors import ConfigError, check_int, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import pfs_prune
 from mtpflow.strategies.hardware import CostCurve, check_costs, load_verify_costs
@@ -66,9 +66,7 @@ class PFSPruner:
         self.max_threshold = check_range("strategy.prune.max_threshold", max_threshold, 0, 1)
         if self.min_threshold > self.max_threshold:
             raise ConfigError("strategy.prune.min_threshold must not exceed max_threshold")
-        if isinstance(max_nodes, bool) or not isinstance(max_nodes, int) or max_nodes < 0:
-            raise ConfigError(f"strategy.prune.max_nodes must be a non-negative integer, got {max_nodes!r}")
-        self.max_nodes = max_nodes
+        self.max_nodes = check_int("strategy.prune.max_nodes", max_nodes, 0)
         self.last_threshold = float(threshold)  # the threshold used by the latest step, for inspection
         self.cost_mode = check_costs(costs)
         self.curve = CostCurve(self.cost_mode) if isinstance(self.cost_mode, dict) else None

@@ -6,15 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.errors import ConfigError, UserError
+from mtpflow.errors import ConfigError, UserError, check_int
 from mtpflow.hookspecs import hookimpl
 from mtpflow.types import DecodeState
-
-
-def _positive_int(name: str, value, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class AttentionSinkWindow:
@@ -28,10 +22,10 @@ class AttentionSinkWindow:
     """
 
     def __init__(self, sink_tokens: int = 4, cache_size: int | None = None, room: int = 16, headroom: int = 64):
-        self.sink_tokens = _positive_int("strategy.window.sink_tokens", sink_tokens, 0)
-        self.cache_size = None if cache_size is None else _positive_int("strategy.window.cache_size", cache_size)
-        self.room = _positive_int("strategy.window.room", room, 2)
-        self.headroom = _positive_int("strategy.window.headroom", headroom, self.room)
+        self.sink_tokens = check_int("strategy.window.sink_tokens", sink_tokens, 0)
+        self.cache_size = None if cache_size is None else check_int("strategy.window.cache_size", cache_size, 1)
+        self.room = check_int("strategy.window.room", room, 2)
+        self.headroom = check_int("strategy.window.headroom", headroom, self.room)
         if self.cache_size is not None:
             self._check(self.cache_size)
         self.evictions = 0

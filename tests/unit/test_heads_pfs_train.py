@@ -131,6 +131,30 @@ def test_data_only_run_unwritable_folders_and_short_runs(tmp_path, capsys):
     assert err.startswith("mtpflow.train_heads: error:") and "\n" not in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("override, message", [
+    ("medusa.num_heads=0", "medusa.num_heads must be a whole number >= 1, got 0"),
+    ("medusa.lr=-1", "medusa.lr must be in \\(0, inf\\), got -1"),
+    ("eagle.batch_sequences=0", "eagle.batch_sequences must be a whole number"),
+    ("eagle.attention_heads=-2", "eagle.attention_heads must be a whole number"),
+    ("eagle.window=1.5", "eagle.window must be a whole number"),
+    ("data.samples=abc", "data.samples must be a whole number >= 1, got 'abc'"),
+    ("data.max_new_tokens=1", "data.max_new_tokens must be a whole number >= 2"),
+    ("data.temperatures=[0.5,-1]", "data.temperatures must be in"),
+    ("eagle.noise=-0.1", "eagle.noise must be in"),
+    ("medusa.head_decay=0", "medusa.head_decay must be in"),
+    ("kinds=eagle", "kinds must be a list"),
+])
+def test_training_settings_are_checked_before_any_work(tmp_path, override, message):
+    """Each bad setting is a ConfigError naming it, raised before the data folder is even created (these were
+    tracebacks from the optimiser or torch, some after the model had written its text)."""
+    from mtpflow.train_heads import compose, run
+
+    with pytest.raises(ConfigError, match=message):
+        run(compose([override, f"data.folder={tmp_path / 'data'}", f"out={tmp_path / 'heads'}"]),
+            loaded=tiny_loaded(seed=0))
+    assert not (tmp_path / "data").exists() and not (tmp_path / "heads").exists()
+
+
 def test_held_out_split_is_by_prompt():
     """Every prompt is sampled several times (greedy and at temperature): the held-out sequences must come
     from prompts the heads never trained on, or the held-out accuracy measures memorisation."""
