@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from mtpflow.errors import UserError
+from mtpflow.errors import ConfigError, UserError, check_int, writable_folder
 
 DEFAULTS = {
     "strategies": ["baseline", "pld"],
@@ -39,10 +39,21 @@ DEFAULTS = {
 def load_prompt_suite(path: str | None = None, classes=None, limit: int = 0) -> list[dict]:
     """The benchmark prompts as dicts with id, class and prompt."""
     if path:
-        text = Path(path).read_text(encoding="utf-8")
+        try:
+            text = Path(path).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"cannot read the prompt file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     else:
         text = resources.files("mtpflow.data").joinpath("bench_prompts.jsonl").read_text(encoding="utf-8")
-    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    try:
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        if not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in rows):
+            raise ValueError
+        rows = [{"id": str(r.get("id", i)), "class": str(r.get("class", "all")), **{k: v for k, v in r.items()
+                 if k not in ("id", "class")}} for i, r in enumerate(rows)]
+    except ValueError:
+        raise UserError(f"{path}: every line must be a JSON object with a 'prompt' (and optionally 'id', "
+                        "'class')") from None
     if classes:
         rows = [r for r in rows if r["class"] in set(classes)]
     if limit:
@@ -256,6 +267,27 @@ def cost_table(loaded, which: str, ks, context: int):
     return pd.concat(frames, ignore_index=True)
 
 
+def check_options(opts) -> None:
+    """Every option checked before the model loads (one line naming the option). A single strategy or class
+    may be given without brackets (``strategies=pld``)."""
+    from omegaconf import ListConfig
+
+    if opts.mode not in ("decode", "cost"):
+        raise UserError(f"mode must be decode or cost, got {opts.mode!r}")
+    for name in ("strategies", "classes", "cost_ks", "overrides"):
+        value = opts[name]
+        if value is not None and not isinstance(value, ListConfig):
+            opts[name] = [value]
+    if not opts.strategies:
+        raise ConfigError("strategies must name at least one strategy, e.g. strategies=[baseline,pld]")
+    check_int("max_new_tokens", opts.max_new_tokens, 1)
+    check_int("limit", opts.limit, 0)
+    check_int("repeats", opts.repeats, 1)
+    check_int("cost_context", opts.cost_context, 1)
+    for k in opts.cost_ks:
+        check_int("cost_ks", k, 0)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -268,9 +300,10 @@ def main(argv=None) -> int:
         print(f"mtpflow.bench: error: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(DEFAULTS)}",
               file=sys.stderr)
         return 2
-    out = Path(str(opts.out))
+    out = Path(str(opts.out)).expanduser()
     try:
-        out.mkdir(parents=True, exist_ok=True)
+        check_options(opts)
+        writable_folder(out)
         if opts.mode == "cost":
             import pandas as pd
 

@@ -38,6 +38,21 @@ def check_int(name: str, value, low=None, high=None) -> int:
     return int(float(value))
 
 
+def writable_folder(path) -> None:
+    """Create the folder ``path`` and check a file can be written there: a clear error before the work whose
+    results would go there, instead of a traceback after it."""
+    from pathlib import Path
+
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".mtpflow-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise UserError(f"cannot write to {path}: {exc.strerror or exc}") from None
+
+
 class PluginError(UserError):
     """A third-party plugin is broken: it cannot be imported, registers a hook that does not exist, or one of
     its hooks raised. The message names the plugin."""

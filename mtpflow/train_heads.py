@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from mtpflow.errors import ConfigError, UserError, check_int, check_range
+from mtpflow.errors import ConfigError, UserError, check_int, check_range, writable_folder
 from mtpflow.strategies.head_modules import (
     EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads,
 )
@@ -255,17 +255,6 @@ def data_folder(cfg: DictConfig, model_id: str) -> tuple[Path, dict]:
         return Path(cfg.data.folder).expanduser(), settings
     key = settings_key(model_id, {**settings, "chat": bool(cfg.chat)})
     return cache_dir() / "head_data" / f"{model_slug(cfg.model.name)}-{key}", settings
-
-
-def writable_folder(path: Path) -> None:
-    """Create ``path`` and check a file can be written there; a clear error instead of a traceback later."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".mtpflow-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise UserError(f"cannot write to {path}: {exc.strerror or exc}") from None
 
 
 def check_settings(cfg: DictConfig) -> list[str]:

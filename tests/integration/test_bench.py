@@ -6,9 +6,11 @@ import json
 
 import pandas as pd
 import pytest
+from omegaconf import OmegaConf
 
 from helpers import make_tiny_model, make_tiny_tokenizer
 from mtpflow import bench
+from mtpflow.errors import UserError
 
 
 def test_shipped_suite_has_four_classes_of_prompts():
@@ -89,3 +91,31 @@ def test_bad_options_exit_2(capsys):
     assert bench.main(["mode=cost", "cpu_linear=maybe", "model=/does/not/exist"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("mtpflow.bench: error:") for line in err)
+
+
+def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
+    """Each mistake is one line and exit 2 before any model loads (the model path here does not exist, so a
+    check that came after loading would report the model instead); these were tracebacks."""
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"title": "no prompt"}\n')
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    cases = {"repeats=0": "repeats must be a whole number >= 1", "repeats=abc": "repeats must be a whole number",
+             "limit=-1": "limit must be a whole number >= 0", "max_new_tokens=0": "max_new_tokens must be",
+             "strategies=[]": "strategies must name at least one", "cost_ks=[0,-1]": "cost_ks must be",
+             f"out={blocker / 'out'}": "cannot write to"}
+    for option, message in cases.items():
+        assert bench.main([option, "model=/does/not/exist", f"out={tmp_path / 'out'}"] if not option.startswith("out=")
+                          else [option, "model=/does/not/exist"]) == 2, option
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("mtpflow.bench: error:") and message in err and "\n" not in err, (option, err)
+    with pytest.raises(UserError, match="cannot read the prompt file"):
+        bench.load_prompt_suite(str(tmp_path / "missing.jsonl"))
+    with pytest.raises(UserError, match="every line must be a JSON object with a 'prompt'"):
+        bench.load_prompt_suite(str(bad_json))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text('{"prompt": "first"}\n{"prompt": "second", "class": "mine"}\n')
+    assert [(r["id"], r["class"]) for r in bench.load_prompt_suite(str(plain))] == [("0", "all"), ("1", "mine")]
+    opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), OmegaConf.from_dotlist(["strategies=pld", "classes=chat"]))
+    bench.check_options(opts)  # one name without brackets is a list of one
+    assert list(opts.strategies) == ["pld"] and list(opts.classes) == ["chat"]
