@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtpflow.config import compose, effective_temperature, read_prompt, to_container, validate
+from mtpflow.config import compose, effective_temperature, read_prompt, stop_strings, to_container, validate
 from mtpflow.errors import UserError
 from mtpflow.kernels import cpu_linear
 from mtpflow.kernels.dispatch import use_backend
@@ -90,7 +90,7 @@ class Pipeline:
         )
         # both scoped to this run's thread
         with use_backend(cfg.get("kernels") or "auto"), cpu_linear.packed(self.packed_linear):
-            result = loop.run(context, stop=tuple(cfg.stop or ()), on_step=on_step)
+            result = loop.run(context, stop=stop_strings(cfg), on_step=on_step)
         result.stats.setdefault("strategy", self.strategy_name)
         return result
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpflow.errors import ConfigError, UserError, check_int, check_range
 
@@ -110,10 +110,22 @@ def effective_temperature(cfg: DictConfig) -> float:
     return float(cfg.strategy.get("temperature", 0.0) or 0.0)
 
 
+def stop_strings(cfg: DictConfig) -> tuple[str, ...]:
+    """``stop`` as strings: null, one value or a list (Hydra reads ``stop=5`` as a number; it means the text)."""
+    stop = cfg.get("stop")
+    items = [] if stop is None else list(stop) if isinstance(stop, ListConfig) else [stop]
+    if any(s is None or isinstance(s, (bool, DictConfig, ListConfig)) or str(s) == "" for s in items):
+        raise ConfigError(f"stop must be a non-empty string or a list of them, e.g. stop=[\"\\n\\n\"], got {stop!r}")
+    return tuple(str(s) for s in items)
+
+
 def validate(cfg: DictConfig) -> None:
     """Check user-facing values (raises ConfigError with one line)."""
     if cfg.output not in ("text", "json"):
         raise ConfigError(f"output must be text or json, got {cfg.output!r}")
+    if not isinstance(cfg.get("chat", True), bool):
+        raise ConfigError(f"chat must be true or false, got {cfg.chat!r}")
+    stop_strings(cfg)
     check_int("max_new_tokens", cfg.max_new_tokens, 1)
     t = cfg.get("temperature")
     if t is not None:

@@ -23,7 +23,20 @@ CASES = [
     (["max_new_tokens=0", "prompt=hi"], "max_new_tokens must be"),
     (["output=xml", "prompt=hi"], "output must be"),
     (["nosuchkey=1", "prompt=hi"], "bad configuration"),
+    (["chat=maybe", "prompt=hi"], "chat must be true or false, got 'maybe'"),
+    (["stop=''", "prompt=hi"], "stop must be a non-empty string"),
+    (["stop=[true]", "prompt=hi"], "stop must be a non-empty string"),
+    (["top_k=1.5", "prompt=hi"], "top_k must be a whole number >= 0"),
 ]
+
+
+def test_stop_takes_one_value_or_a_list():
+    """``stop=5`` (Hydra reads a number) and ``stop="x"`` mean the text; a list may mix them (was a TypeError)."""
+    from mtpflow.config import compose, stop_strings
+
+    assert stop_strings(compose(["stop=5"])) == ("5",)
+    assert stop_strings(compose(["stop=[5,ab]"])) == ("5", "ab")
+    assert stop_strings(compose(["stop=null"])) == stop_strings(compose([])) == ()
 
 
 @pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(c[0]) or "no-args" for c in CASES])
