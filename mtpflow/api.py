@@ -65,6 +65,24 @@ class Pipeline:
     def sampling(self) -> SamplingParams:
         return SamplingParams(effective_temperature(self.cfg), int(self.cfg.top_k), float(self.cfg.top_p))
 
+    def check_ids(self, prompt_ids) -> torch.Tensor:
+        """``prompt_ids`` as a flat long tensor: a non-empty list (or a [1, n] tensor, as tokenizers return) of
+        token ids inside the model's vocabulary; anything else is a UserError naming the problem."""
+        try:
+            ids = torch.as_tensor(prompt_ids)
+        except (TypeError, ValueError, RuntimeError):
+            raise UserError("prompt_ids must be a list of token ids") from None
+        if ids.dim() == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        if ids.dim() != 1 or ids.numel() == 0 or ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise UserError(f"prompt_ids must be a non-empty flat list of token ids (whole numbers), got shape "
+                            f"{tuple(ids.shape)} of {ids.dtype}")
+        vocab = self.loaded.model.get_input_embeddings().num_embeddings
+        outside = ids[(ids < 0) | (ids >= vocab)]
+        if outside.numel():
+            raise UserError(f"prompt_ids must be token ids in [0, {vocab}), got {int(outside[0])}")
+        return ids.long()
+
     def __call__(self, prompt: str | None = None, *, prompt_ids: torch.Tensor | list[int] | None = None,
                  on_step: Callable[[StepRecord | None, list[int]], None] | None = None,
                  extra_plugins: tuple[object, ...] = ()) -> DecodeResult:
@@ -77,7 +95,7 @@ class Pipeline:
                 raise UserError("empty prompt")
             ids = self.encode(prompt)
         else:
-            ids = torch.as_tensor(prompt_ids, dtype=torch.long).flatten()
+            ids = self.check_ids(prompt_ids)
             prompt = prompt if prompt is not None else self.loaded.tokenizer.decode(ids.tolist())
         plugins = tuple(f(self) for f in self.run_plugins) + tuple(extra_plugins)
         pm = make_plugin_manager(cfg.strategy, plugins)

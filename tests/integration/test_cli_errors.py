@@ -64,3 +64,23 @@ def test_subprocess_exit_code_and_no_traceback():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "unknown strategy" in proc.stderr
+
+
+def test_api_checks_prompt_ids():
+    """The Python API takes a list or a [1, n] tensor of ids; an empty, nested, fractional or out-of-vocabulary
+    list is a UserError naming the problem (was a reshape, overflow or index error deep in the model)."""
+    import torch
+
+    from helpers import hf_greedy, make_pipeline, tiny_loaded
+    from mtpflow.errors import UserError
+
+    loaded = tiny_loaded(seed=0)
+    pipe = make_pipeline(loaded, "pld", "max_new_tokens=6", "trace=off")
+    vocab = loaded.model.get_input_embeddings().num_embeddings
+    for bad, message in (([], "non-empty flat list"), ([[1, 2], [3, 4]], "non-empty flat list"),
+                         ([1.5, 2], "whole numbers"), ([[1, 2], [3]], "list of token ids"),
+                         ([-1, 5], "got -1"), ([5, vocab], f"in \\[0, {vocab}\\), got {vocab}")):
+        with pytest.raises(UserError, match=message):
+            pipe(prompt_ids=bad)
+    want = hf_greedy(loaded.model, [5, 6, 7], 6)
+    assert pipe(prompt_ids=[5, 6, 7]).token_ids == pipe(prompt_ids=torch.tensor([[5, 6, 7]])).token_ids == want
