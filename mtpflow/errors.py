@@ -27,15 +27,16 @@ def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_
 def check_int(name: str, value, low=None, high=None) -> int:
     """Raise ConfigError unless ``value`` is a whole number with low <= value <= high (bounds optional)."""
     try:
-        whole = not isinstance(value, bool) and float(value).is_integer()
+        number = None if isinstance(value, bool) else float(value)
     except (TypeError, ValueError):
-        whole = False
-    inside = whole and (low is None or int(value) >= low) and (high is None or int(value) <= high)
+        number = None
+    whole = number is not None and number.is_integer()
+    inside = whole and (low is None or number >= low) and (high is None or number <= high)
     if not inside:
         span = {(False, False): f" in [{low}, {high}]", (False, True): f" >= {low}", (True, False): f" <= {high}",
                 (True, True): ""}[(low is None, high is None)]
         raise ConfigError(f"{name} must be a whole number{span}, got {value!r}")
-    return int(float(value))
+    return int(number)
 
 
 def writable_folder(path) -> None:

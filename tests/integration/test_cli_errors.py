@@ -84,3 +84,17 @@ def test_api_checks_prompt_ids():
             pipe(prompt_ids=bad)
     want = hf_greedy(loaded.model, [5, 6, 7], 6)
     assert pipe(prompt_ids=[5, 6, 7]).token_ids == pipe(prompt_ids=torch.tensor([[5, 6, 7]])).token_ids == want
+
+
+def test_check_int_takes_whole_numbers_in_any_spelling():
+    """One checker for every whole-number setting: ints, whole floats and numeric strings pass (Hydra may hand
+    any of them); fractions, words, booleans, nan and inf fail with the bound in the message."""
+    from mtpflow.errors import ConfigError, check_int
+
+    assert [check_int("n", v, 0) for v in (3, 3.0, "3", "1e3")] == [3, 3, 3, 1000]
+    for bad, message in ((1.5, ">= 0"), ("x", ">= 0"), (True, ">= 0"), (float("nan"), ">= 0"),
+                         (float("inf"), ">= 0"), (-1, ">= 0")):
+        with pytest.raises(ConfigError, match=f"n must be a whole number {message}, got"):
+            check_int("n", bad, 0)
+    with pytest.raises(ConfigError, match=r"in \[0, 16\], got 17"):
+        check_int("n", 17, 0, 16)
