@@ -19,7 +19,7 @@ from typing import Iterator
 
 from mtpflow.api import Pipeline
 from mtpflow.config import available_strategies, compose
-from mtpflow.errors import ConfigError, UserError
+from mtpflow.errors import ConfigError, UserError, check_int
 from mtpflow.model import load_model
 from mtpflow.runplugins import default_run_plugins
 
@@ -73,19 +73,14 @@ class Knobs:
 
     @staticmethod
     def parse(max_new_tokens, temperature, k, seed=0, max_tokens_cap: int = 1024) -> "Knobs":
-        mnt = _number("max new tokens", max_new_tokens)
-        if mnt is None or not float(mnt).is_integer() or not 1 <= mnt <= max_tokens_cap:
-            raise ConfigError(f"max new tokens must be an integer in [1, {max_tokens_cap}], got {max_new_tokens!r}")
+        mnt = check_int("max new tokens", max_new_tokens, 1, max_tokens_cap)
         temp = _number("temperature", temperature)
         if temp is not None and not 0 <= temp <= 5:
             raise ConfigError(f"temperature must be blank (the strategy's own) or in [0, 5], got {temperature!r}")
-        kk = _number("K", k)
-        if kk is not None and (not float(kk).is_integer() or not 0 <= kk <= 64):
-            raise ConfigError(f"K must be blank (the strategy's own K) or an integer in [0, 64], got {k!r}")
-        sd = _number("seed", seed)
-        if sd is None or not float(sd).is_integer():
-            raise ConfigError(f"seed must be an integer, got {seed!r}")
-        return Knobs(int(mnt), None if temp is None else float(temp), None if kk is None else int(kk), int(sd))
+        blank_k = k is None or (isinstance(k, str) and not k.strip())  # blank: the strategy's own K
+        kk = None if blank_k else check_int("K", k, 0, 64)
+        sd = check_int("seed", seed)
+        return Knobs(mnt, None if temp is None else float(temp), kk, sd)
 
     def overrides(self) -> list[str]:
         out = [f"max_new_tokens={self.max_new_tokens}", f"seed={self.seed}"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.errors import ConfigError
+from mtpflow.errors import ConfigError, check_int
 from mtpflow.hookspecs import hookimpl
 from mtpflow.types import DecodeState, Decision, Draft
 
@@ -32,14 +32,13 @@ class NgramDedup:
     """
 
     def __init__(self, min_repeats: list[int] | int = (4, 3), lookback: int = 64):
-        repeats = [min_repeats] if isinstance(min_repeats, int) else list(min_repeats)
-        if not repeats or any(isinstance(r, bool) or not isinstance(r, int) or r < 2 for r in repeats):
-            raise ConfigError(f"strategy.dedup.min_repeats must be integers >= 2 (one per n-gram size), got {min_repeats!r}")
-        self.min_repeats = {n: r for n, r in enumerate(repeats, start=1)}
-        need = max(n * r for n, r in self.min_repeats.items())
-        if isinstance(lookback, bool) or not isinstance(lookback, int) or lookback < need:
-            raise ConfigError(f"strategy.dedup.lookback must be an integer >= {need} (the longest run), got {lookback!r}")
-        self.lookback = lookback  # committed tokens looked at; a run can start at most this far back
+        repeats = [min_repeats] if isinstance(min_repeats, (int, float, str)) else list(min_repeats)
+        if not repeats:
+            raise ConfigError("strategy.dedup.min_repeats needs one count per n-gram size, e.g. [4, 3]")
+        # one count per n-gram size (1-grams first)
+        self.min_repeats = {n: check_int("strategy.dedup.min_repeats", r, 2) for n, r in enumerate(repeats, start=1)}
+        need = max(n * r for n, r in self.min_repeats.items())  # the longest run
+        self.lookback = check_int("strategy.dedup.lookback", lookback, need)  # a run starts at most this far back
 
     @hookimpl
     def dedup(self, state: DecodeState, draft: Draft, decision: Decision) -> torch.Tensor:

@@ -43,10 +43,13 @@ def test_mask_cuts_at_the_completing_token():
 
 
 def test_validation():
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="min_repeats must be a whole number >= 2, got 1"):
         NgramDedup(min_repeats=[1])
-    with pytest.raises(ConfigError):
+    with pytest.raises(ConfigError, match="min_repeats needs one count"):
+        NgramDedup(min_repeats=[])
+    with pytest.raises(ConfigError, match="lookback must be a whole number >= 6, got 4"):  # a bigram 3 times
         NgramDedup(min_repeats=[4, 3], lookback=4)
+    assert NgramDedup(min_repeats=4).min_repeats == {1: 4} and NgramDedup(lookback=8.0).lookback == 8
 
 
 def repetitive_prompt(vocab):
