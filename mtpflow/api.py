@@ -18,9 +18,11 @@ from mtpflow.config import compose, effective_temperature, read_prompt, stop_str
 from mtpflow.errors import UserError
 from mtpflow.kernels import cpu_linear
 from mtpflow.kernels.dispatch import use_backend
-from mtpflow.loop import DecodeLoop, RunContext
+from mtpflow.loop import DecodeLoop
+from mtpflow.types import RunContext
 from mtpflow.model import encode_prompt, load_model
 from mtpflow.plugins import build_stages, make_plugin_manager
+from mtpflow.shared import SharedState
 from mtpflow.types import DecodeResult, SamplingParams, StepRecord
 
 # Factories called once per run to add run-level plugins (trace recorder, metrics); see ``add_run_plugin``.
@@ -45,6 +47,7 @@ class Pipeline:
         # ``loaded`` lets tests and the playground hand in a model that is already in memory.
         self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
         self.run_plugins = list(run_plugins)
+        self.shared = SharedState()  # state shared on purpose across this pipeline's runs (mtpflow.shared)
         # float32 CPU verify forwards through oneDNN packed linears (see mtpflow.kernels.cpu_linear)
         self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))
 
@@ -105,6 +108,7 @@ class Pipeline:
             prompt=prompt, prompt_tokens=ids, strategy=self.strategy_name, model_id=self.loaded.model_id,
             device=str(self.loaded.device), max_new_tokens=int(cfg.max_new_tokens), sampling=self.sampling(),
             seed=int(cfg.seed), config=to_container(cfg), tokenizer=self.loaded.tokenizer, model=self.loaded.model,
+            shared=self.shared,
         )
         # both scoped to this run's thread
         with use_backend(cfg.get("kernels") or "auto"), cpu_linear.packed(self.packed_linear):

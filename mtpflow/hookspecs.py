@@ -13,7 +13,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from mtpflow.loop import RunContext
+    from mtpflow.types import RunContext
     from mtpflow.target import Target
     from mtpflow.types import DecodeResult, DecodeState, Decision, Draft, StepRecord, Verification
 

@@ -6,7 +6,7 @@ commit (KV rollback) -> window -> on_step_end; stop at EOS, a stop string or max
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Callable
 
 import torch
@@ -16,27 +16,10 @@ from mtpflow.sampling import choose
 from mtpflow.target import Target
 from mtpflow.types import (
     ACCEPTED, BONUS, DEDUPED, PLAIN, RECOVERED, REJECTED, DecodeResult, DecodeState, Decision, Draft,
-    RunStats, SamplingParams, StepRecord,
+    RunContext, RunStats, StepRecord,
 )
 
 MAX_K = 64  # upper bound on draft depth accepted from any K selector
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """Facts about a run, for ``on_run_start`` hooks."""
-
-    prompt: str
-    prompt_tokens: torch.Tensor  # [prompt_len]
-    strategy: str
-    model_id: str
-    device: str
-    max_new_tokens: int
-    sampling: SamplingParams
-    seed: int
-    config: dict[str, Any] = field(default_factory=dict)  # the fully resolved config
-    tokenizer: Any = None
-    model: Any = None
 
 
 def _close_under_ancestors(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -233,7 +216,7 @@ class DecodeLoop:
             record = StepRecord(
                 step=state.step, k=k, draft=draft, num_proposed=num_proposed, decision=decision,
                 emitted=tuple(emitted), emitted_kinds=tuple(kinds), target_tokens=tuple(target_tokens[:n_emit]),
-                target_probs=tuple(target_probs[:n_emit]), node_target_argmax=target_argmax,
+                target_probs=tuple(target_probs[:n_emit]), node_target_argmax=target_argmax, verification=verification,
                 node_target_probs=node_probs, forward_seconds=verification.forward_seconds,
                 step_seconds=time.perf_counter() - t_step, stage_seconds=dict(self.timer.seconds),
                 time_since_start=time.perf_counter() - t_start, state=state,

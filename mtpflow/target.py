@@ -1,18 +1,32 @@
-"""The target model and its shared KV cache: prefill, the verify forward, and the commit that keeps only
-the accepted path.
+"""The target model and each sequence's KV cache: prefill, the verify forward (one sequence, or every running
+sequence in ONE forward), and the commit that keeps only the accepted path.
 
-The cache holds every committed token except the root (the last committed token); a verify forward feeds
-the root plus the draft nodes, so the cache grows by ``1 + num_nodes`` and the commit gathers back
-``root + accepted path`` on the sequence dimension, without running the model again.
+A sequence's cache (its row of ``mtpflow.kv_cache.KVPool``) holds every committed token except the root (the
+last committed token); a verify forward feeds the root plus the draft nodes, so the cache grows by
+``1 + num_nodes`` and the commit gathers back ``root + accepted path`` inside the row and sets the length:
+rolling back a rejected draft costs nothing, and the model never runs again.
 """
 from __future__ import annotations
 
 import time
 
 import torch
-from transformers import DynamicCache
 
+from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
 from mtpflow.types import Draft, Verification
+
+
+def tree_allowed(parents: torch.Tensor) -> torch.Tensor:
+    """[1 + num_nodes, 1 + num_nodes] bool: row i may attend to column j (the root, itself, its ancestors)."""
+    n = int(parents.numel())
+    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allowed[:, 0] = True  # every node sees the root
+    for i, p in enumerate(parents.tolist()):
+        row = i + 1
+        allowed[row, row] = True
+        if p >= 0:
+            allowed[row] |= allowed[p + 1]
+    return allowed
 
 
 def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.float32) -> torch.Tensor:
@@ -21,44 +35,56 @@ def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.floa
     Every row sees the cached prefix, the root and its own ancestors (itself included); 0 where allowed,
     the dtype's minimum where blocked.
     """
-    n = int(parents.numel())
-    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    allowed[:, 0] = True  # every node sees the root
-    allowed[0, 0] = True
-    par = parents.tolist()
-    for i, p in enumerate(par):
-        row = i + 1
-        allowed[row, row] = True
-        if p >= 0:
-            allowed[row] |= allowed[p + 1]
-    mask = torch.zeros(n + 1, cached_len + n + 1, dtype=dtype)
+    allowed = tree_allowed(parents)
+    n = allowed.shape[0]
+    mask = torch.zeros(n, cached_len + n, dtype=dtype)
     mask[:, cached_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
     return mask[None, None]
 
 
 class Target:
-    """A Hugging Face causal LM plus the run's KV cache."""
+    """A Hugging Face causal LM plus one sequence's KV cache (a slot of a pool shared with the batch)."""
 
-    def __init__(self, model, need_hidden: bool = False):
+    def __init__(self, model, need_hidden: bool = False, pool: KVPool | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.need_hidden = need_hidden
-        self.cache = DynamicCache(config=model.config)
-        self.cache_len = 0  # entries in the cache
+        self.pool = pool or KVPool(model, max_slots=1)  # standalone use (tests, cost measurements)
+        self.kv = SequenceKV(self.pool)
         # absolute position - position_shift = position the model sees; grows when ``keep`` evicts entries,
         # so cache entry i always sits at model position i and generation can run past the model's context
         self.position_shift = 0
         self.forwards = 0
 
+    @property
+    def cache_len(self) -> int:
+        """Entries in this sequence's cache."""
+        return self.kv.length
+
+    @cache_len.setter
+    def cache_len(self, value: int) -> None:  # rolling back by position: later entries are simply overwritten
+        self.kv.length = int(value)
+
+    @property
+    def cache(self):
+        """A batch-1 Hugging Face ``Cache`` over this sequence's entries (for a self-draft or a plugin's forward)."""
+        return self.kv.view()
+
+    def release(self) -> None:
+        """Give the cache slot back to the pool (the sequence has left the batch)."""
+        self.kv.release()
+
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None):
+        cache = self.kv.view()
         out = self.model(
             input_ids=input_ids.to(self.device)[None],
             position_ids=(position_ids - self.position_shift).to(self.device)[None],
             attention_mask=None if mask is None else mask.to(self.device, self.model.dtype),
-            cache=self.cache,
+            cache=cache,
             use_cache=True,
             output_hidden_states=self.need_hidden,
         )
+        self.kv.length = cache.layers[0].length
         self.forwards += 1
         hidden = out.hidden_states[-1][0].float() if self.need_hidden else None
         return out.logits[0].float(), hidden
@@ -68,12 +94,11 @@ class Target:
         """Run the prompt into the cache. Returns (logits [len, vocab] of the last row only, hidden [len, h])."""
         positions = torch.arange(start_position, start_position + tokens.numel())
         logits, hidden = self._forward(tokens, positions, None)
-        self.cache_len += int(tokens.numel())
         return logits[-1:], hidden
 
     @torch.inference_mode()
     def verify(self, root: int, draft: Draft, root_position: int) -> Verification:
-        """One forward over the root and every draft node; chains use the model's own causal mask."""
+        """One forward of this sequence alone over the root and every draft node; chains use the causal mask."""
         t0 = time.perf_counter()
         ids = torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens])
         if draft.num_nodes == 0 or draft.is_chain:
@@ -83,24 +108,16 @@ class Target:
             positions = torch.cat([torch.tensor([root_position]), root_position + draft.depths()])
             mask = tree_attention_mask(draft.parents, self.cache_len, dtype=self.model.dtype)
         logits, hidden = self._forward(ids, positions, mask)
-        self.cache_len += int(ids.numel())
         return Verification(logits=logits, hidden=hidden, forward_seconds=time.perf_counter() - t0)
 
     @torch.inference_mode()
     def commit(self, start: int, num_nodes: int, accepted: torch.Tensor) -> None:
         """Keep the root (at cache index ``start``) and the accepted nodes; drop the other draft entries."""
-        keep_tail = 1 + int(accepted.numel())
         n_accepted = int(accepted.numel())
         is_prefix = n_accepted == 0 or bool(torch.equal(accepted, torch.arange(n_accepted)))
         if not is_prefix:
-            src = (start + 1 + accepted).to(self.device)
-            for layer in self.cache.layers:
-                layer.keys[:, :, start + 1 : start + 1 + n_accepted] = layer.keys.index_select(2, src)
-                layer.values[:, :, start + 1 : start + 1 + n_accepted] = layer.values.index_select(2, src)
-        drop = (1 + num_nodes) - keep_tail
-        if drop > 0:
-            self.cache.crop(-drop)
-        self.cache_len = start + keep_tail
+            self.kv.gather(start + 1, start + 1 + accepted)
+        self.kv.length = start + 1 + n_accepted
 
     @torch.inference_mode()
     def keep(self, index: torch.Tensor) -> None:
@@ -113,14 +130,71 @@ class Target:
         idx = index.to(self.device)
         delta = torch.arange(idx.numel(), device=self.device) - idx  # [n_keep] new - old position, <= 0
         rotary = getattr(getattr(self.model, "model", None), "rotary_emb", None)
-        for layer in self.cache.layers:
-            keys = layer.keys.index_select(2, idx)
+        for layer in range(self.pool.num_layers):
+            row = self.kv.slot
+            keys = self.pool.keys[layer][row : row + 1, :, : self.cache_len].index_select(2, idx)
+            values = self.pool.values[layer][row : row + 1, :, : self.cache_len].index_select(2, idx)
             if rotary is not None and bool((delta != 0).any()):
                 keys = rotate_keys(keys, delta, rotary)
-            layer.keys = keys
-            layer.values = layer.values.index_select(2, idx)
+            self.kv.set_layer(layer, keys, values)
         self.position_shift += self.cache_len - int(index.numel())
         self.cache_len = int(index.numel())
+
+
+@torch.inference_mode()
+def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Draft],
+                 root_positions: list[int], need_hidden: bool = False) -> list[Verification]:
+    """ONE forward over every sequence in the pool: each row feeds its root plus its own draft (chain or
+    tree, any size, none at all) over its own cache length.
+
+    Layout: rows padded to the longest ``1 + num_nodes`` (the model takes ``[B, q]`` input ids); a 4D mask
+    ``[B, 1, q, max_len + q]`` gives each row its prefix, its own tree and nothing of its padding, and
+    ``position_ids [B, q]`` count from each sequence's first token. Pool slots that are not in ``targets``
+    (a sequence still waiting for its prefill, or verifying alone) ride along as fully padded rows.
+    """
+    t0 = time.perf_counter()
+    pool = targets[0].pool
+    rows = pool.used
+    by_slot = {t.kv.slot: i for i, t in enumerate(targets)}
+    sizes = [1 + d.num_nodes for d in drafts]
+    q = max(sizes)
+    lengths = [owner.length for owner in pool.owners]
+    cache = BatchCache(pool, lengths, q)
+    dtype = model.dtype
+    blocked = torch.finfo(dtype).min
+    allowed = torch.zeros(rows, q, cache.kv_length, dtype=torch.bool)
+    input_ids = torch.zeros(rows, q, dtype=torch.long)
+    positions = torch.zeros(rows, q, dtype=torch.long)
+    pad = torch.arange(q)
+    for slot in range(rows):
+        length = lengths[slot]
+        allowed[slot, pad, length + pad] = True  # a padding row sees itself only (no empty softmax)
+        i = by_slot.get(slot)
+        if i is None:
+            continue
+        target, draft, n = targets[i], drafts[i], sizes[i]
+        allowed[slot, :n, :length] = True
+        allowed[slot, :n, length : length + n] = tree_allowed(draft.parents)
+        input_ids[slot, 0] = roots[i]
+        input_ids[slot, 1:n] = draft.tokens
+        base = root_positions[i] - target.position_shift
+        positions[slot] = base
+        positions[slot, 1:n] = base + draft.depths()
+    mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
+    device = targets[0].device
+    out = model(input_ids=input_ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
+                cache=cache, use_cache=True, output_hidden_states=need_hidden)
+    seconds = time.perf_counter() - t0
+    logits = out.logits.float()
+    hidden = out.hidden_states[-1].float() if need_hidden else None
+    results = []
+    for target, n in zip(targets, sizes):
+        slot = target.kv.slot
+        target.kv.length += n
+        target.forwards += 1
+        h = hidden[slot, :n] if hidden is not None and target.need_hidden else None
+        results.append(Verification(logits=logits[slot, :n], hidden=h, forward_seconds=seconds))
+    return results
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary) -> torch.Tensor:

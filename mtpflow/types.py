@@ -173,6 +173,26 @@ class Decision:
 
 
 @dataclass(frozen=True)
+class RunContext:
+    """Facts about a run, for ``on_run_start`` hooks."""
+
+    prompt: str
+    prompt_tokens: torch.Tensor  # [prompt_len]
+    strategy: str
+    model_id: str
+    device: str
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    config: dict[str, Any] = field(default_factory=dict)  # the fully resolved config
+    tokenizer: Any = None
+    model: Any = None
+    # objects shared on purpose across the requests of one engine (mtpflow.shared.SharedState): a suffix
+    # cache, calibration. Everything else a stage holds belongs to its own sequence.
+    shared: Any = None
+
+
+@dataclass(frozen=True)
 class StepRecord:
     """Everything that happened in one step, handed to ``on_step_end`` (feedback, metrics, traces)."""
 
@@ -192,6 +212,9 @@ class StepRecord:
     stage_seconds: dict[str, float]
     time_since_start: float  # seconds from run start to the end of this step
     state: DecodeState  # the state the step started from
+    # the target's verify forward of this step (logits of the root and every draft node), e.g. for drafters
+    # that learn from the target's top-k (token recycling)
+    verification: Verification | None = None
 
 
 @dataclass

@@ -1,0 +1,28 @@
+"""State shared on purpose between the requests of one engine (a suffix cache across requests, calibration).
+
+Everything else a stage holds belongs to one sequence: the engine builds stage objects per sequence. What is
+shared is named, created once by ``SharedState.get`` and must be thread-safe and bounded itself.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+
+class SharedState:
+    """A named registry of objects shared across requests; ``get`` creates each one once, thread-safely."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str, factory: Callable[[], Any]) -> Any:
+        """The object registered as ``name``, made with ``factory()`` the first time it is asked for."""
+        with self._lock:
+            if name not in self._items:
+                self._items[name] = factory()
+            return self._items[name]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._items)
