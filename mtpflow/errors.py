@@ -15,6 +15,8 @@ def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_
         v = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{name} must be a number, got {value!r}") from None
+    if v != v:  # NaN passes every comparison
+        raise ConfigError(f"{name} must be a number, got {value!r}")
     bad_low = low is not None and (v < low if low_inclusive else v <= low)
     bad_high = high is not None and (v > high if high_inclusive else v >= high)
     if bad_low or bad_high:

@@ -53,6 +53,7 @@ class KVPool:
             self.owners.append(owner)
             return len(self.owners) - 1
 
+    @torch.inference_mode()
     def release(self, slot: int) -> None:
         """Free ``slot``; the sequence in the last slot moves into it (one row copy), keeping slots dense."""
         with self.lock:
@@ -72,6 +73,7 @@ class KVPool:
     def used(self) -> int:
         return len(self.owners)
 
+    @torch.inference_mode()
     def ensure(self, length: int) -> None:
         """Grow every buffer so a row can hold ``length`` entries (doubling; existing entries are copied)."""
         if length <= self.capacity:

@@ -1,7 +1,12 @@
 """The draft-and-verify decode loop: the only caller of the stage hooks.
 
-prefill -> per step: select_k -> propose -> prune -> verify (one forward) -> gate -> dedup -> rescore ->
-commit (KV rollback) -> window -> on_step_end; stop at EOS, a stop string or max_new_tokens.
+One step of one sequence (``Sequence``):
+select_k -> propose -> prune -> [verify: one forward] -> gate -> dedup -> rescore -> commit (KV rollback) ->
+window -> on_step_end; it stops at EOS, a stop string or max_new_tokens.
+
+``decode_step`` runs that step for every running sequence at once: each plans its own draft with its own
+stages, ONE target forward verifies all of them (``mtpflow.target.verify_batch``), then each gates and
+commits its own. The engine (``mtpflow.engine``) calls it; ``DecodeLoop.run`` is the same for one sequence.
 """
 from __future__ import annotations
 
@@ -13,13 +18,14 @@ import torch
 
 from mtpflow.hookspecs import hookimpl
 from mtpflow.sampling import choose
-from mtpflow.target import Target
+from mtpflow.target import Target, verify_batch
 from mtpflow.types import (
-    ACCEPTED, BONUS, DEDUPED, PLAIN, RECOVERED, REJECTED, DecodeResult, DecodeState, Decision, Draft,
-    RunContext, RunStats, StepRecord,
+    ACCEPTED, PLAIN, RECOVERED, REJECTED, DEDUPED, DecodeResult, DecodeState, Decision, Draft, RunContext,
+    RunStats, StepRecord, Verification,
 )
 
 MAX_K = 64  # upper bound on draft depth accepted from any K selector
+StepCallback = Callable[[StepRecord | None, list[int]], None]
 
 
 def _close_under_ancestors(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -75,167 +81,226 @@ class StageTimer:
         return (yield from self._timed("window"))
 
 
-class DecodeLoop:
-    """Runs one decode with a per-run plugin manager (the strategy's stages plus core defaults)."""
+def has_own_verify(plugin_manager) -> bool:
+    """True when a strategy or plugin implements ``verify`` (then its sequence verifies alone, not batched)."""
+    return any(impl.plugin_name != "mtpflow.core" and not impl.wrapper and not impl.hookwrapper
+               for impl in plugin_manager.hook.verify.get_hookimpls())
 
-    def __init__(self, plugin_manager, loaded, need_hidden: bool = False, context_window: int | None = None):
+
+class Sequence:
+    """One request being decoded: its own plugin manager (stage objects built for it alone), its state, its
+    KV cache slot and its stats. The engine drives it: ``start`` (prefill), then per step ``plan`` ->
+    verification -> ``finish``, then ``end``."""
+
+    def __init__(self, plugin_manager, loaded, context: RunContext, *, stop: tuple[str, ...] = (),
+                 need_hidden: bool = False, context_window: int | None = None, pool=None,
+                 on_step: StepCallback | None = None, keep_steps: bool = True):
         self.pm = plugin_manager
         self.hook = plugin_manager.hook
         self.loaded = loaded
+        self.context = context
+        self.stop = tuple(stop)
         self.need_hidden = need_hidden
         self.context_window = context_window
+        self.pool = pool
+        self.on_step = on_step
+        self.keep_steps = keep_steps
         self.timer = StageTimer()
         plugin_manager.register(self.timer, name="mtpflow.stage_timer")
+        self.own_verify = has_own_verify(plugin_manager)
+        self.eos = set(loaded.eos_token_ids)
+        self.stats = RunStats()
+        self.records: list[StepRecord] = []
+        self.state: DecodeState | None = None
+        self.target: Target | None = None
+        self.stop_reason = ""
+        self._pending: tuple | None = None
+        self._ended = False
 
-    def run(self, context: RunContext, stop: tuple[str, ...] = (),
-            on_step: Callable[[StepRecord, list[int]], None] | None = None) -> DecodeResult:
-        status = "failed"
-        result = DecodeResult(text="", token_ids=[], stats={})
-        try:
-            result = self._run(context, stop, on_step)
-            status = "complete"
-            return result
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        finally:
-            if status != "complete":
-                result = self._partial
-            self.hook.on_run_end(result=result, status=status)
+    @property
+    def done(self) -> bool:
+        return bool(self.stop_reason)
 
-    def _run(self, context: RunContext, stop: tuple[str, ...], on_step) -> DecodeResult:
-        t_start = time.perf_counter()
-        loaded, hook = self.loaded, self.hook
-        tokenizer = loaded.tokenizer
-        eos = set(loaded.eos_token_ids)
-        generator = torch.Generator().manual_seed(int(context.seed))
-        stats = RunStats()
-        self._partial = DecodeResult(text="", token_ids=[], stats={})
-        extras: dict[str, Any] = {"rng": generator}
-        for found in hook.on_run_start(context=context):
+    # ----- start: run-start hooks and the prefill ---------------------------------------------------------
+    def start(self) -> None:
+        self.t_start = time.perf_counter()
+        context, stats = self.context, self.stats
+        self.generator = torch.Generator().manual_seed(int(context.seed))
+        extras: dict[str, Any] = {"rng": self.generator}
+        for found in self.hook.on_run_start(context=context):
             if found:
                 extras.update(found)
                 stats.extras.update({k: v for k, v in found.items() if isinstance(v, (int, float, str, bool))})
-
         prompt = context.prompt_tokens
-        target = Target(loaded.model, need_hidden=self.need_hidden)
-        extras["target"] = target  # read by stages that share its KV cache (the self-draft of draft_model)
-        logits, hidden = target.prefill(prompt)
-        stats.prefill_seconds = time.perf_counter() - t_start
-        first = choose(logits[-1], context.sampling, generator)
-        tokens = torch.cat([prompt, torch.tensor([first], dtype=torch.long)])
-        stats.time_to_first_token = time.perf_counter() - t_start
+        self.target = Target(self.loaded.model, need_hidden=self.need_hidden, pool=self.pool)
+        extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
+        logits, hidden = self.target.prefill(prompt)
+        stats.prefill_seconds = time.perf_counter() - self.t_start
+        first = choose(logits[-1], context.sampling, self.generator)
+        stats.time_to_first_token = time.perf_counter() - self.t_start
         stats.new_tokens = 1
-        records: list[StepRecord] = []
-        state = DecodeState(
-            tokens=tokens, prompt_len=int(prompt.numel()), step=0, next_position=int(prompt.numel()),
-            sampling=context.sampling, max_new_tokens=context.max_new_tokens,
-            hidden=hidden, context_window=self.context_window, extras=extras,
+        self.state = DecodeState(
+            tokens=torch.cat([prompt, torch.tensor([first], dtype=torch.long)]), prompt_len=int(prompt.numel()),
+            step=0, next_position=int(prompt.numel()), sampling=context.sampling,
+            max_new_tokens=context.max_new_tokens, hidden=hidden, context_window=self.context_window,
+            extras=extras,
         )
-        if on_step:
-            on_step(None, [first])
-        stop_reason = "eos" if first in eos else ("max_new_tokens" if context.max_new_tokens <= 1 else "")
-        max_context = loaded.max_context
+        if self.on_step:
+            self.on_step(None, [first])
+        self.stop_reason = "eos" if first in self.eos else ("max_new_tokens" if context.max_new_tokens <= 1 else "")
 
-        while not stop_reason:
-            t_step = time.perf_counter()
-            self.timer.seconds.clear()
-            remaining = context.max_new_tokens - state.num_generated
-            room = max_context - (state.next_position - target.position_shift) - 1  # shift: see Target.keep
-            if room < 0:
-                stop_reason = "context_full"
-                break
-            k = hook.select_k(state=state)
-            k = max(0, min(int(k or 0), MAX_K, remaining - 1, room))
-            draft = hook.propose(state=state, k=k) if k > 0 else None
-            draft = draft or Draft.empty()
-            depth = draft.depths() if draft.num_nodes else None
-            if depth is not None and int(depth.max()) > k:  # a proposer may not draft deeper than K
-                draft = draft.subset(depth <= k)
-            num_proposed = draft.num_nodes
-            if draft.num_nodes:
-                masks = [m for m in hook.prune(state=state, draft=draft) if m is not None]
-                if masks:
-                    keep = torch.stack([m.bool().cpu() for m in masks]).all(0)  # drafts live on the CPU
-                    keep = _close_under_ancestors(keep, draft.parents)
-                    if not bool(keep.all()):
-                        draft = draft.subset(keep)
-            draft = replace(draft, num_proposed=num_proposed)
+    # ----- one step, first half: K, draft, pruning ----------------------------------------------------------
+    def plan(self, max_nodes: int | None = None) -> Draft | None:
+        """Choose K and draft; None when the sequence cannot take another step (its context is full).
+        ``max_nodes`` caps the draft (the engine's batch-aware budget): a prefix of the topologically ordered
+        nodes is closed under ancestors, so the cap keeps a valid tree."""
+        state, hook, target = self.state, self.hook, self.target
+        t_step = time.perf_counter()
+        self.timer.seconds.clear()
+        remaining = self.context.max_new_tokens - state.num_generated
+        room = self.loaded.max_context - (state.next_position - target.position_shift) - 1  # see Target.keep
+        if room < 0:
+            self.stop_reason = "context_full"
+            return None
+        k = hook.select_k(state=state)
+        k = max(0, min(int(k or 0), MAX_K, remaining - 1, room))
+        draft = hook.propose(state=state, k=k) if k > 0 else None
+        draft = draft or Draft.empty()
+        if not isinstance(draft, Draft):
+            raise TypeError(f"propose returned {type(draft).__name__}, not a Draft")
+        depth = draft.depths() if draft.num_nodes else None
+        if depth is not None and int(depth.max()) > k:  # a proposer may not draft deeper than K
+            draft = draft.subset(depth <= k)
+        num_proposed = draft.num_nodes
+        if draft.num_nodes:
+            masks = [m for m in hook.prune(state=state, draft=draft) if m is not None]
+            if masks:
+                keep = torch.stack([m.bool().cpu() for m in masks]).all(0)  # drafts live on the CPU
+                keep = _close_under_ancestors(keep, draft.parents)
+                if not bool(keep.all()):
+                    draft = draft.subset(keep)
+        if max_nodes is not None and draft.num_nodes > max_nodes:
+            keep = torch.zeros(draft.num_nodes, dtype=torch.bool)
+            keep[:max_nodes] = True
+            draft = draft.subset(keep)
+        draft = replace(draft, num_proposed=num_proposed)
+        self._pending = (t_step, k, draft, num_proposed, target.cache_len)
+        return draft
 
-            cache_start = target.cache_len
-            verification = hook.verify(state=state, draft=draft, target=target)
-            decision = hook.gate(state=state, draft=draft, verification=verification)
-            if decision.num_accepted:
-                masks = [m for m in hook.dedup(state=state, draft=draft, decision=decision) if m is not None]
-                if masks:
-                    keep = torch.stack([m.bool() for m in masks]).all(0)
-                    if not bool(keep.all()):
-                        cut = int((~keep).nonzero()[0])
-                        info = {**decision.info, "deduped_nodes": decision.accepted[cut:].tolist()}
-                        decision = replace(decision, accepted=decision.accepted[:cut], next_token=None,
-                                           next_kind=RECOVERED, decided_by="rescore", info=info)
-            decision = hook.rescore(state=state, draft=draft, verification=verification, decision=decision)
+    def verify_alone(self) -> Verification:
+        """The ``verify`` hook, for a strategy that brings its own verify forward."""
+        _, _, draft, _, _ = self._pending
+        return self.hook.verify(state=self.state, draft=draft, target=self.target)
 
-            accepted = decision.accepted
-            path_tokens = draft.tokens[accepted].tolist()
-            emitted = path_tokens + [int(decision.next_token)]
-            kinds = [ACCEPTED] * len(path_tokens) + [PLAIN if draft.num_nodes == 0 else decision.next_kind]
-            rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1])  # row that predicted each token
-            target_argmax = verification.target_argmax()
-            row_probs = verification.logits.float().softmax(-1)
-            target_tokens = target_argmax[rows].tolist()
-            target_probs = row_probs[rows, torch.tensor(emitted)].tolist()
-            if draft.num_nodes:
-                parent_rows = torch.where(draft.parents < 0, 0, draft.parents + 1)
-                node_probs = row_probs[parent_rows, draft.tokens]
-            else:
-                node_probs = torch.zeros(0)
-            status = self._node_status(draft, decision)
-            decision = replace(decision, node_status=status)
+    # ----- one step, second half: gate, dedup, rescore, commit, window, feedback ---------------------------
+    def finish(self, verification: Verification) -> list[int]:
+        t_step, k, draft, num_proposed, cache_start = self._pending
+        self._pending = None
+        state, hook, target, stats = self.state, self.hook, self.target, self.stats
+        if verification is not None and "verify" not in self.timer.seconds:
+            self.timer.seconds["verify"] = verification.forward_seconds  # the shared batch forward
+        decision = hook.gate(state=state, draft=draft, verification=verification)
+        if decision.num_accepted:
+            masks = [m for m in hook.dedup(state=state, draft=draft, decision=decision) if m is not None]
+            if masks:
+                keep = torch.stack([m.bool() for m in masks]).all(0)
+                if not bool(keep.all()):
+                    cut = int((~keep).nonzero()[0])
+                    info = {**decision.info, "deduped_nodes": decision.accepted[cut:].tolist()}
+                    decision = replace(decision, accepted=decision.accepted[:cut], next_token=None,
+                                       next_kind=RECOVERED, decided_by="rescore", info=info)
+        decision = hook.rescore(state=state, draft=draft, verification=verification, decision=decision)
 
-            target.commit(cache_start, draft.num_nodes, accepted)
-            stop_reason = self._stop_reason(emitted, state, tokenizer, eos, stop)
-            if stop_reason:
-                emitted, kinds = self._truncate(emitted, kinds, state, eos, tokenizer, stop)
-            new_tokens = torch.cat([state.tokens, torch.tensor(emitted, dtype=torch.long)])
-            new_hidden = None
-            if verification.hidden is not None:
-                new_hidden = verification.hidden[rows]
+        accepted = decision.accepted
+        path_tokens = draft.tokens[accepted].tolist()
+        emitted = path_tokens + [int(decision.next_token)]
+        kinds = [ACCEPTED] * len(path_tokens) + [PLAIN if draft.num_nodes == 0 else decision.next_kind]
+        rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1])  # row that predicted each token
+        logits = verification.logits
+        target_argmax = verification.target_argmax()
+        # probabilities of the few tokens that matter, without a softmax over every row
+        log_norm = torch.logsumexp(logits.float(), dim=-1)  # [1 + num_nodes]
+        target_tokens = target_argmax[rows].tolist()
+        target_probs = (logits[rows, torch.tensor(emitted)].float() - log_norm[rows]).exp().tolist()
+        if draft.num_nodes:
+            parent_rows = torch.where(draft.parents < 0, 0, draft.parents + 1)
+            node_probs = (logits[parent_rows, draft.tokens].float() - log_norm[parent_rows]).exp()
+        else:
+            node_probs = torch.zeros(0)
+        decision = replace(decision, node_status=self._node_status(draft, decision))
 
-            n_emit = len(emitted)
-            stats.steps += 1
-            stats.new_tokens += n_emit
-            stats.draft_tokens += draft.num_nodes
-            stats.proposed_tokens += num_proposed
-            stats.accepted_tokens += min(len(path_tokens), n_emit)
-            stats.hit_steps += n_emit > 1
-            stats.k_sum += k
-            if context.sampling.greedy:
-                stats.differs_from_target += sum(int(e != t) for e, t in zip(emitted, target_tokens))
+        target.commit(cache_start, draft.num_nodes, accepted)
+        self.stop_reason = self._stop_reason(emitted, state)
+        if self.stop_reason:
+            emitted, kinds = self._truncate(emitted, kinds, state)
+        new_tokens = torch.cat([state.tokens, torch.tensor(emitted, dtype=torch.long)])
+        new_hidden = verification.hidden[rows] if verification.hidden is not None else None
 
-            record = StepRecord(
-                step=state.step, k=k, draft=draft, num_proposed=num_proposed, decision=decision,
-                emitted=tuple(emitted), emitted_kinds=tuple(kinds), target_tokens=tuple(target_tokens[:n_emit]),
-                target_probs=tuple(target_probs[:n_emit]), node_target_argmax=target_argmax, verification=verification,
-                node_target_probs=node_probs, forward_seconds=verification.forward_seconds,
-                step_seconds=time.perf_counter() - t_step, stage_seconds=dict(self.timer.seconds),
-                time_since_start=time.perf_counter() - t_start, state=state,
-            )
-            state = replace(
-                state, tokens=new_tokens, step=state.step + 1, next_position=state.next_position + n_emit,
-                last_k=k, last_accepted=len(path_tokens), last_proposed=draft.num_nodes, hidden=new_hidden,
-            )
-            keep_index = hook.window(state=state, cache_len=target.cache_len)
-            if keep_index is not None:
-                target.keep(keep_index)
-            hook.on_step_end(record=record)
-            records.append(record)
-            self._partial = self._result(state, stats, records, t_start, tokenizer, stop)
-            if on_step:
-                on_step(record, emitted)
+        n_emit = len(emitted)
+        stats.steps += 1
+        stats.new_tokens += n_emit
+        stats.draft_tokens += draft.num_nodes
+        stats.proposed_tokens += num_proposed
+        stats.accepted_tokens += min(len(path_tokens), n_emit)
+        stats.hit_steps += n_emit > 1
+        stats.k_sum += k
+        if self.context.sampling.greedy:
+            stats.differs_from_target += sum(int(e != t) for e, t in zip(emitted, target_tokens))
 
-        stats.stop_reason = stop_reason
-        return self._result(state, stats, records, t_start, tokenizer, stop)
+        record = StepRecord(
+            step=state.step, k=k, draft=draft, num_proposed=num_proposed, decision=decision,
+            emitted=tuple(emitted), emitted_kinds=tuple(kinds), target_tokens=tuple(target_tokens[:n_emit]),
+            target_probs=tuple(target_probs[:n_emit]), node_target_argmax=target_argmax,
+            node_target_probs=node_probs, forward_seconds=verification.forward_seconds,
+            step_seconds=time.perf_counter() - t_step, stage_seconds=dict(self.timer.seconds),
+            time_since_start=time.perf_counter() - self.t_start, state=state, verification=verification,
+        )
+        self.state = replace(
+            state, tokens=new_tokens, step=state.step + 1, next_position=state.next_position + n_emit,
+            last_k=k, last_accepted=len(path_tokens), last_proposed=draft.num_nodes, hidden=new_hidden,
+        )
+        keep_index = hook.window(state=self.state, cache_len=target.cache_len)
+        if keep_index is not None:
+            target.keep(keep_index)
+        hook.on_step_end(record=record)
+        if self.keep_steps:  # without the verify logits ([1 + num_nodes, vocab] a step): results stay small
+            self.records.append(replace(record, verification=None))
+        if self.on_step:
+            self.on_step(record, emitted)
+        return emitted
+
+    # ----- the end -------------------------------------------------------------------------------------------
+    def end(self, status: str) -> DecodeResult:
+        """Build the result, call ``on_run_end`` once with ``status`` (complete, failed or interrupted) and
+        give the KV slot back. Safe to call for a sequence that failed before or during its prefill."""
+        if self.state is None:
+            result = DecodeResult(text="", token_ids=[], stats={})
+        else:
+            self.stats.stop_reason = self.stop_reason or status
+            result = self.result()
+        if self.target is not None:
+            self.target.release()
+        if not self._ended:
+            self._ended = True
+            self.hook.on_run_end(result=result, status=status)
+        return result
+
+    def result(self) -> DecodeResult:
+        stats, state = self.stats, self.state
+        stats.total_seconds = time.perf_counter() - self.t_start
+        stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
+        for extra in self.hook.run_stats():
+            stats.extras.update(extra or {})
+        ids = state.generated.tolist()
+        text = self.loaded.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in self.stop:
+            if s and s in text:
+                text = text[: text.index(s)]
+        result = DecodeResult(text=text, token_ids=ids, stats=stats.as_dict(), steps=list(self.records))
+        result.stats.setdefault("strategy", self.context.strategy)
+        if "trace_run_id" in result.stats:
+            result.run_id = result.stats["trace_run_id"]
+        return result
 
     @staticmethod
     def _node_status(draft: Draft, decision: Decision) -> tuple[str, ...]:
@@ -246,43 +311,94 @@ class DecodeLoop:
             status[i] = DEDUPED
         return tuple(status)
 
-    def _result(self, state, stats, records, t_start, tokenizer, stop) -> DecodeResult:
-        stats.total_seconds = time.perf_counter() - t_start
-        stats.decode_seconds = stats.total_seconds - stats.prefill_seconds
-        for extra in self.hook.run_stats():
-            stats.extras.update(extra or {})
-        ids = state.generated.tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        for s in stop:
-            if s and s in text:
-                text = text[: text.index(s)]
-        return DecodeResult(text=text, token_ids=ids, stats=stats.as_dict(), steps=records)
-
-    @staticmethod
-    def _stop_reason(emitted, state, tokenizer, eos, stop) -> str:
-        if any(t in eos for t in emitted):
+    def _stop_reason(self, emitted, state) -> str:
+        if any(t in self.eos for t in emitted):
             return "eos"
         if state.num_generated + len(emitted) >= state.max_new_tokens:
             return "max_new_tokens"
-        if stop:
-            tail = tokenizer.decode(state.tokens[-16:].tolist() + list(emitted), skip_special_tokens=True)
-            if any(s and s in tail for s in stop):
+        if self.stop:
+            tail = self.loaded.tokenizer.decode(state.tokens[-16:].tolist() + list(emitted), skip_special_tokens=True)
+            if any(s and s in tail for s in self.stop):
                 return "stop_string"
         return ""
 
-    @staticmethod
-    def _truncate(emitted, kinds, state, eos, tokenizer, stop):
+    def _truncate(self, emitted, kinds, state):
         """Cut the emitted tokens at the first EOS (kept), the token budget, or the token ending a stop string."""
         out, out_kinds = [], []
         budget = state.max_new_tokens - state.num_generated
         prefix = state.tokens[-16:].tolist()
+        tokenizer = self.loaded.tokenizer
         for tok, kind in zip(emitted, kinds):
             if len(out) >= budget:
                 break
             out.append(tok)
             out_kinds.append(kind)
-            if tok in eos:
+            if tok in self.eos:
                 break
-            if stop and any(s and s in tokenizer.decode(prefix + out, skip_special_tokens=True) for s in stop):
+            if self.stop and any(s and s in tokenizer.decode(prefix + out, skip_special_tokens=True) for s in self.stop):
                 break
         return out, out_kinds
+
+
+def decode_step(sequences: list[Sequence], model, max_nodes: dict[int, int] | None = None,
+                on_error: Callable[[Sequence, BaseException], None] | None = None) -> None:
+    """One step for every sequence in ``sequences`` (all started, none done): each plans its draft, ONE
+    forward verifies all the drafts, each gates and commits its own. A sequence whose stage raises is handed
+    to ``on_error`` (or the exception propagates) and leaves the step; the others go on."""
+    def guarded(seq, fn):
+        try:
+            return fn()
+        except Exception as exc:
+            if on_error is None:
+                raise
+            on_error(seq, exc)
+            return _FAILED
+
+    planned = []
+    for i, seq in enumerate(sequences):
+        cap = None if max_nodes is None else max_nodes.get(id(seq))
+        draft = guarded(seq, lambda: seq.plan(cap))
+        if draft is not None and draft is not _FAILED:
+            planned.append((seq, draft))
+    batched = [(s, d) for s, d in planned if not s.own_verify]
+    verifications: dict[int, Verification] = {}
+    if batched:
+        need_hidden = any(s.need_hidden for s, _ in batched)
+        results = verify_batch(model, [s.target for s, _ in batched], [s.state.root_token for s, _ in batched],
+                               [d for _, d in batched], [s.state.next_position for s, _ in batched], need_hidden)
+        verifications = {id(s): v for (s, _), v in zip(batched, results)}
+    for seq, _ in planned:
+        if seq.own_verify:
+            verification = guarded(seq, seq.verify_alone)
+            if verification is _FAILED:
+                continue
+        else:
+            verification = verifications[id(seq)]
+        guarded(seq, lambda: seq.finish(verification))
+
+
+_FAILED = object()
+
+
+class DecodeLoop:
+    """Decode one sequence alone, synchronously, in the caller's thread (the engine batches many)."""
+
+    def __init__(self, plugin_manager, loaded, need_hidden: bool = False, context_window: int | None = None):
+        self.pm, self.loaded = plugin_manager, loaded
+        self.need_hidden, self.context_window = need_hidden, context_window
+
+    def run(self, context: RunContext, stop: tuple[str, ...] = (), on_step: StepCallback | None = None) -> DecodeResult:
+        seq = Sequence(self.pm, self.loaded, context, stop=stop, need_hidden=self.need_hidden,
+                       context_window=self.context_window, on_step=on_step)
+        status = "failed"
+        try:
+            seq.start()
+            while not seq.done:
+                decode_step([seq], self.loaded.model)
+            status = "complete"
+        except KeyboardInterrupt:
+            status = "interrupted"
+            raise
+        finally:
+            result = seq.end(status)
+        return result

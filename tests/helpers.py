@@ -3,7 +3,12 @@ the HF greedy reference and a pipeline builder. Import with ``from helpers impor
 the several ``conftest.py`` files in sub-folders never shadow it)."""
 from __future__ import annotations
 
+import random
+
 import torch
+
+from mtpflow.hookspecs import hookimpl
+from mtpflow.types import Draft
 
 TINY_CORPUS = [
     "the quick brown fox jumps over the lazy dog",
@@ -62,3 +67,35 @@ def make_pipeline(loaded, strategy: str, *overrides: str, **kwargs):
     import mtpflow.api as api
 
     return api.pipeline(strategy, list(overrides), loaded=loaded, **kwargs)
+
+
+class OracleTreeProposer:
+    """Knows the reference continuation; drafts a random tree that contains a (possibly corrupted) copy."""
+
+    def __init__(self, reference: list[int], vocab: int, seed: int, wrong_rate: float = 0.2, branch: int = 3):
+        self.reference, self.vocab = reference, vocab
+        self.rng = random.Random(seed)
+        self.wrong_rate, self.branch = wrong_rate, branch
+
+    @hookimpl
+    def propose(self, state, k):
+        done = state.num_generated
+        truth = self.reference[done : done + k]
+        tokens, parents = [], []
+        parent = -1
+        for depth, tok in enumerate(truth):
+            siblings = [self.rng.randrange(1, self.vocab) for _ in range(self.rng.randrange(0, self.branch))]
+            right = tok if self.rng.random() > self.wrong_rate else self.rng.randrange(1, self.vocab)
+            options = siblings + [right]
+            self.rng.shuffle(options)
+            chosen = None
+            for t in options:
+                tokens.append(t)
+                parents.append(parent)
+                if t == right and chosen is None:
+                    chosen = len(tokens) - 1
+                elif self.rng.random() < 0.3:  # dead-end branches with a child of their own
+                    tokens.append(self.rng.randrange(1, self.vocab))
+                    parents.append(len(tokens) - 2)
+            parent = chosen
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), source="oracle")

@@ -5,46 +5,11 @@ shapes); output must equal HF greedy generate token for token, and accepted leng
 """
 from __future__ import annotations
 
-import random
-
 import torch
 
-from helpers import hf_greedy, make_pipeline
-from mtpflow.hookspecs import hookimpl
+from helpers import OracleTreeProposer, hf_greedy, make_pipeline
 from mtpflow.target import tree_attention_mask
 from mtpflow.types import Draft
-
-
-class OracleTreeProposer:
-    """Knows the reference continuation; drafts a random tree that contains a (possibly corrupted) copy."""
-
-    def __init__(self, reference: list[int], vocab: int, seed: int, wrong_rate: float = 0.2, branch: int = 3):
-        self.reference, self.vocab = reference, vocab
-        self.rng = random.Random(seed)
-        self.wrong_rate, self.branch = wrong_rate, branch
-
-    @hookimpl
-    def propose(self, state, k):
-        done = state.num_generated
-        truth = self.reference[done : done + k]
-        tokens, parents = [], []
-        parent = -1
-        for depth, tok in enumerate(truth):
-            siblings = [self.rng.randrange(1, self.vocab) for _ in range(self.rng.randrange(0, self.branch))]
-            right = tok if self.rng.random() > self.wrong_rate else self.rng.randrange(1, self.vocab)
-            options = siblings + [right]
-            self.rng.shuffle(options)
-            chosen = None
-            for t in options:
-                tokens.append(t)
-                parents.append(parent)
-                if t == right and chosen is None:
-                    chosen = len(tokens) - 1
-                elif self.rng.random() < 0.3:  # dead-end branches with a child of their own
-                    tokens.append(self.rng.randrange(1, self.vocab))
-                    parents.append(len(tokens) - 2)
-            parent = chosen
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), source="oracle")
 
 
 def test_tree_mask_each_node_sees_prefix_and_ancestors():

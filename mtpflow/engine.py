@@ -1,0 +1,463 @@
+"""The engine: one model, many requests in flight, decoded together.
+
+    engine = mtpflow.engine(["max_batch_size=8"])            # loads the model once
+    results = engine.generate([Request(prompt="Hi"), Request(prompt="Summarize: ...", strategy="mtp")])
+    for piece in engine.stream(Request(prompt="Tell me a joke")): print(piece, end="")
+    handle = engine.submit(Request(prompt="...")); handle.cancel()
+
+A FIFO queue feeds a running batch of at most ``max_batch_size`` sequences. Each step, every running
+sequence drafts with its own stages, ONE target forward verifies all drafts (``mtpflow.loop.decode_step``),
+and each commits its own tokens. Requests join and leave between steps; a joining request's prefill runs
+alone, at most one per step while others are decoding, so it never stalls them for longer than one prompt's
+prefill. One background thread owns the model, the KV pool and every stage call; ``submit`` is safe from
+any thread, and handles can be awaited from asyncio.
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import itertools
+import threading
+import time
+import weakref
+from typing import Any, Callable, Iterator
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from mtpflow.config import available_strategies, compose, to_container, validate
+from mtpflow.errors import UserError, check_int
+from mtpflow.kernels import cpu_linear
+from mtpflow.kernels.dispatch import use_backend
+from mtpflow.kv_cache import KVPool
+from mtpflow.loop import Sequence, StepCallback, decode_step
+from mtpflow.model import load_model
+from mtpflow.plugins import build_stages, make_plugin_manager
+from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
+from mtpflow.shared import SharedState
+from mtpflow.types import DecodeResult
+
+IDLE_EXIT_SECONDS = 10.0
+WAITING, RUNNING, COMPLETE, FAILED, INTERRUPTED = "waiting", "running", "complete", "failed", "interrupted"
+
+
+class QueueFull(UserError):
+    """The engine's waiting queue is at its bound (``max_waiting``): try again later."""
+
+
+class EngineClosed(UserError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class RequestHandle:
+    """A submitted request: its tokens as they commit, its result, its cancellation."""
+
+    def __init__(self, engine: Engine, prepared: Prepared, on_step: StepCallback | None, plugin_manager):
+        self.engine = engine
+        self.prepared = prepared
+        self.id = next(engine._ids)
+        self.prompt_tokens = int(prepared.prompt_ids.numel())
+        self.status = WAITING
+        self.submitted_at = time.perf_counter()
+        self._user_on_step = on_step
+        self._plugin_manager = plugin_manager  # this request's own stage objects and run plugins
+        self._tokens: list[int] = []
+        self._cond = threading.Condition()
+        self._cancelled = False
+        self._result: DecodeResult | None = None
+        self._error: BaseException | None = None
+        self._async_events: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # ----- called from the engine thread ---------------------------------------------------------------------
+    def _on_step(self, record, tokens) -> None:
+        with self._cond:
+            self._tokens.extend(tokens)
+            self._cond.notify_all()
+        self._wake_async()
+        if self._user_on_step is not None:
+            self._user_on_step(record, tokens)
+
+    def _finish(self, status: str, result: DecodeResult | None, error: BaseException | None = None) -> None:
+        with self._cond:
+            self.status, self._result, self._error = status, result, error
+            self._cond.notify_all()
+        self._wake_async()
+
+    def _wake_async(self) -> None:
+        for loop, event in list(self._async_events):
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the consumer's loop has closed
+                pass
+
+    # ----- for the caller ----------------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        return self.status in (COMPLETE, FAILED, INTERRUPTED)
+
+    def cancel(self, wait: bool = False, timeout: float = 60.0) -> None:
+        """Stop this request: it leaves the batch before the next step; its run is recorded interrupted.
+        ``wait`` blocks until it has left (its trace written)."""
+        self._cancelled = True
+        self.engine._wake()
+        if wait and threading.current_thread() is not self.engine._thread:
+            with self._cond:
+                self._cond.wait_for(lambda: self.done, timeout)
+
+    def result(self, timeout: float | None = None) -> DecodeResult:
+        """Wait for the end; a failed request raises its error (a UserError for the caller's mistakes)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.id} is still {self.status}")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _text(self, tokens: list[int], final: bool) -> str:
+        """The visible text of ``tokens``: cut at a stop string; while running, hold back an incomplete UTF-8
+        character or a tail that may be the start of a stop string."""
+        text = self.engine.loaded.tokenizer.decode(tokens, skip_special_tokens=True)
+        stops = self.prepared.stop
+        for s in stops:
+            if s in text:
+                text = text[: text.index(s)]
+        if final:
+            return text
+        if text.endswith("\ufffd"):
+            text = text[:-1]
+        hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+        return text[: len(text) - hold] if hold else text
+
+    def _pieces(self, tokens: list[int], printed: int, final: bool) -> tuple[str, int]:
+        text = self._text(tokens, final)
+        return (text[printed:], len(text)) if len(text) > printed else ("", printed)
+
+    def stream(self) -> Iterator[str]:
+        """Text pieces as tokens commit. Leaving the loop early (break, an exception) cancels the request."""
+        seen, printed, finished = 0, 0, False
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: len(self._tokens) > seen or self.done)
+                    tokens, done = list(self._tokens), self.done
+                seen = len(tokens)
+                piece, printed = self._pieces(tokens, printed, final=done)
+                if done:
+                    if self._error is not None:
+                        raise self._error
+                    if piece:
+                        yield piece
+                    finished = True
+                    return
+                if piece:
+                    yield piece
+        finally:
+            if not finished:
+                self.cancel()
+
+    async def aresult(self) -> DecodeResult:
+        """``result()`` for asyncio code."""
+        event = self._attach()
+        try:
+            while not self.done:
+                await event.wait()
+                event.clear()
+        finally:
+            self._detach(event)
+        return self.result()
+
+    async def astream(self):
+        """``stream()`` for asyncio code: an async iterator of text pieces; closing it early cancels."""
+        event = self._attach()
+        seen, printed, finished = 0, 0, False
+        try:
+            while True:
+                with self._cond:
+                    tokens, done = list(self._tokens), self.done
+                if len(tokens) == seen and not done:
+                    await event.wait()
+                    event.clear()
+                    continue
+                seen = len(tokens)
+                piece, printed = self._pieces(tokens, printed, final=done)
+                if done:
+                    if self._error is not None:
+                        raise self._error
+                    if piece:
+                        yield piece
+                    finished = True
+                    return
+                if piece:
+                    yield piece
+        finally:
+            self._detach(event)
+            if not finished:
+                self.cancel()
+
+    def _attach(self) -> asyncio.Event:
+        event = asyncio.Event()
+        self._async_events.append((asyncio.get_running_loop(), event))
+        if self.done or self._tokens:
+            event.set()
+        return event
+
+    def _detach(self, event) -> None:
+        self._async_events = [(lp, ev) for lp, ev in self._async_events if ev is not event]
+
+
+class Engine:
+    """Owns the model, the KV pool, the queue and the running batch; decodes in one background thread."""
+
+    def __init__(self, cfg: DictConfig, run_plugins: tuple = (), loaded=None):
+        validate(cfg)
+        self.cfg = cfg
+        self.max_batch_size = check_int("max_batch_size", cfg.get("max_batch_size", 8), 1, 256)
+        self.max_waiting = check_int("max_waiting", cfg.get("max_waiting", 1024), 0)
+        m = cfg.model
+        self.default_strategy = str(cfg.strategy.get("name"))
+        self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
+        build_stages(cfg.strategy)  # the default strategy's parameters are checked before the (slow) model load
+        # ``loaded`` lets tests, the playground and pipelines share a model that is already in memory
+        self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+        self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))
+        self.run_plugins = list(run_plugins)
+        self.shared = SharedState()  # state shared on purpose across requests (a suffix cache, calibration)
+        self.pool = KVPool(self.loaded.model, self.max_batch_size)
+        self._base_config = to_container(cfg)
+        self._queue: collections.deque[RequestHandle] = collections.deque()
+        self._running: list[tuple[Sequence, RequestHandle]] = []
+        self._lock = threading.Condition()
+        self._closing = False
+        self._drain = True
+        self._thread: threading.Thread | None = None
+        self._ids = itertools.count(1)
+        self._step_listeners: list[Callable[[int, int], None]] = []
+        self._strategy_lock = threading.Lock()
+        self.steps = 0
+        atexit.register(_stop_at_exit, weakref.ref(self))  # end the decode thread before the interpreter does
+
+    # ----- requests ----------------------------------------------------------------------------------------------
+    def strategies(self) -> list[str]:
+        return available_strategies()
+
+    def strategy_config(self, name: str | None) -> DictConfig:
+        """The strategy's config node, composed once per engine (Hydra is never composed per request)."""
+        name = name or self.default_strategy
+        with self._strategy_lock:
+            if name not in self._strategies:
+                if not isinstance(name, str) or name not in available_strategies():
+                    raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}")
+                self._strategies[name] = compose([f"strategy={name}"]).strategy
+            return self._strategies[name]
+
+    def prepare(self, request: Request, strategy_config: DictConfig | None = None) -> tuple[Prepared, Any]:
+        """Check a request (one UserError line for any mistake) and build its stages' plugin manager."""
+        if not isinstance(request, Request):
+            raise UserError(f"expected a Request, got {type(request).__name__}")
+        strategy = strategy_config if strategy_config is not None else self.strategy_config(request.strategy)
+        if request.overrides:
+            strategy = apply_overrides(strategy, request.overrides)
+        prepared, settings = resolve_request(request, self.cfg, strategy, self.loaded)
+        config = dict(self._base_config)
+        config.update(settings)
+        config["strategy"] = OmegaConf.to_container(strategy, resolve=True)
+        object.__setattr__(prepared.context, "config", config)
+        object.__setattr__(prepared.context, "shared", self.shared)
+        return prepared, config
+
+    def check(self, request: Request) -> int:
+        """Check a request without running it; returns its prompt length in tokens."""
+        prepared, _ = self.prepare(request)
+        make_plugin_manager(prepared.strategy)  # builds (and so checks) every stage
+        return int(prepared.prompt_ids.numel())
+
+    def submit(self, request: Request, *, on_step: StepCallback | None = None, extra_plugins: tuple = (),
+               strategy_config: DictConfig | None = None, keep_steps: bool = False) -> RequestHandle:
+        """Queue a request; returns at once. Raises UserError for a bad request, QueueFull when the waiting
+        queue is at ``max_waiting``, EngineClosed after ``shutdown``. ``keep_steps`` keeps every step's
+        record in the result (the playground and tests read them); ``on_step(record, tokens)`` is called in the
+        engine thread after each step."""
+        prepared, _ = self.prepare(request, strategy_config)
+        if self._closing:
+            raise EngineClosed("the engine is shutting down and takes no new requests")
+        plugins = tuple(f(self) for f in self.run_plugins) + tuple(extra_plugins)
+        # the request's own stage objects, built (and so checked) now, in the caller's thread
+        plugin_manager = make_plugin_manager(prepared.strategy, plugins)
+        handle = RequestHandle(self, prepared, on_step, plugin_manager)
+        handle._keep_steps = keep_steps
+        with self._lock:
+            if self._closing:
+                raise EngineClosed("the engine is shutting down and takes no new requests")
+            if len(self._queue) + len(self._running) >= self.max_batch_size + self.max_waiting:
+                raise QueueFull(f"too many requests waiting ({len(self._queue)}); try again shortly")
+            self._queue.append(handle)
+            self._start_thread()
+            self._lock.notify_all()
+        return handle
+
+    def generate(self, requests: list[Request] | Request) -> list[DecodeResult]:
+        """Decode a list of requests together; results in the same order (a failed one raises)."""
+        single = isinstance(requests, Request)
+        handles = [self.submit(r) for r in ([requests] if single else requests)]
+        results = [h.result() for h in handles]
+        return results[0] if single else results
+
+    def stream(self, request: Request) -> Iterator[str]:
+        """Text pieces of one request as its tokens commit."""
+        return self.submit(request).stream()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._queue)
+
+    def add_step_listener(self, listener: Callable[[int, int], None]) -> None:
+        """``listener(batch_size, new_tokens)`` after every batched step (metrics)."""
+        self._step_listeners.append(listener)
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Take no new requests; finish the running and waiting ones (``drain``) or cancel them."""
+        with self._lock:
+            self._closing, self._drain = True, drain
+            if not drain:
+                for handle in self._queue:
+                    handle._cancelled = True
+            self._lock.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+
+    def close(self) -> None:
+        self.shutdown(drain=False)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ----- the engine thread ----------------------------------------------------------------------------------------
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
+
+    def _start_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._serve, name="mtpflow-engine", daemon=True)
+            self._thread.start()
+
+    def _serve(self) -> None:
+        with use_backend(self.cfg.get("kernels") or "auto"), cpu_linear.packed(self.packed_linear), \
+                torch.inference_mode():
+            while True:
+                with self._lock:
+                    if not self._lock.wait_for(lambda: self._queue or self._running or self._closing,
+                                               IDLE_EXIT_SECONDS):
+                        self._thread = None  # idle: the thread ends (an unused engine can be collected);
+                        return  # the next submit starts a new one
+
+                    if self._closing and not self._running and (not self._queue or not self._drain):
+                        for handle in list(self._queue):
+                            self._queue.remove(handle)
+                            handle._finish(INTERRUPTED, None, EngineClosed("the engine shut down before this request ran"))
+                        return
+                self._admit()
+                self._step()
+
+    def _admit(self) -> None:
+        """Start waiting requests while there is room: all of them into an idle engine, one per step otherwise."""
+        budget = self.max_batch_size - len(self._running)
+        if self._running:
+            budget = min(budget, 1)
+        while budget > 0:
+            with self._lock:
+                if not self._queue:
+                    return
+                handle = self._queue.popleft()
+            if handle._cancelled:
+                handle._finish(INTERRUPTED, None, None)
+                continue
+            budget -= 1
+            self._start(handle)
+
+    def _start(self, handle: RequestHandle) -> None:
+        p = handle.prepared
+        seq = None
+        try:
+            seq = Sequence(handle._plugin_manager, self.loaded, p.context, stop=p.stop, need_hidden=p.need_hidden,
+                           context_window=p.context_window, pool=self.pool, on_step=handle._on_step,
+                           keep_steps=handle._keep_steps)
+            handle.status = RUNNING
+            self._running.append((seq, handle))
+            seq.start()
+        except BaseException as exc:  # noqa: BLE001 - the request fails alone
+            self._end(seq, handle, exc)
+            return
+        if seq.done:
+            self._end(seq, handle, None)
+
+    def _step(self) -> None:
+        for seq, handle in list(self._running):
+            if handle._cancelled:
+                self._end(seq, handle, KeyboardInterrupt())
+        if not self._running:
+            return
+        errors: dict[int, BaseException] = {}
+        sequences = [s for s, _ in self._running]
+        before = sum(s.stats.new_tokens for s in sequences)
+        try:
+            decode_step(sequences, self.loaded.model, on_error=lambda s, e: errors.__setitem__(id(s), e))
+        except Exception as exc:  # the shared forward itself failed: every sequence in it fails
+            errors.update({id(s): exc for s in sequences})
+        self.steps += 1
+        new_tokens = sum(s.stats.new_tokens for s in sequences) - before
+        for listener in self._step_listeners:
+            try:
+                listener(len(sequences), new_tokens)
+            except Exception:  # a metrics hook never stops decoding
+                pass
+        for seq, handle in list(self._running):
+            if id(seq) in errors:
+                self._end(seq, handle, errors[id(seq)])
+            elif seq.done:
+                self._end(seq, handle, None)
+
+    def _end(self, seq: Sequence | None, handle: RequestHandle, error: BaseException | None) -> None:
+        self._running = [(s, h) for s, h in self._running if h is not handle]
+        interrupted = isinstance(error, KeyboardInterrupt)
+        status = INTERRUPTED if interrupted else FAILED if error is not None else COMPLETE
+        result = None
+        try:
+            result = seq.end(status) if seq is not None else None
+        except Exception as exc:  # on_run_end of a broken plugin
+            if error is None:
+                error, status = exc, FAILED
+        if status == FAILED and not isinstance(error, UserError):
+            error = _as_user_error(error)
+        handle._finish(status, result, None if interrupted else error)
+
+
+def _stop_at_exit(ref) -> None:
+    engine = ref()
+    if engine is not None and engine._thread is not None:
+        engine.shutdown(drain=False, timeout=5.0)
+
+
+def _as_user_error(error: BaseException) -> UserError:
+    """A stage that raised mid-decode fails its request with one line naming the error."""
+    return UserError(f"decoding failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+
+
+def engine(overrides: list[str] | tuple[str, ...] = (), **kwargs) -> Engine:
+    """An engine for ``compose(overrides)`` (e.g. ``["model.name=...", "max_batch_size=16"]``), with the
+    config's run plugins (traces) unless ``run_plugins`` is given."""
+    cfg = compose(list(overrides))
+    if "run_plugins" not in kwargs:
+        from mtpflow.runplugins import default_run_plugins
+
+        kwargs["run_plugins"] = default_run_plugins(cfg)
+    return Engine(cfg, **kwargs)

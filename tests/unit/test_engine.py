@@ -1,0 +1,225 @@
+"""The engine: many requests decoded together, each exactly as it would be alone.
+
+Greedy requests in a batch (mixed strategies, prompt lengths, tree and chain drafts, requests that join
+mid-run) equal HF ``generate`` token for token; sampling requests keep the target distribution; a bad or
+failing request fails alone; cancelled requests leave the batch; streaming, threads and asyncio work.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chi2_contingency
+
+from helpers import OracleTreeProposer, hf_greedy, make_tiny_model, make_tiny_tokenizer
+from mtpflow.config import compose
+from mtpflow.engine import Engine, QueueFull
+from mtpflow.errors import UserError
+from mtpflow.hookspecs import hookimpl
+from mtpflow.model import LoadedModel
+from mtpflow.request import Request
+
+NEW = 32
+
+
+def make_engine(loaded, *overrides):
+    return Engine(compose(["strategy=pld", "trace=off", f"max_new_tokens={NEW}", *overrides]), loaded=loaded)
+
+
+def random_prompts(n: int, seed: int, vocab: int = 300) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 40, (n,), generator=g).tolist()
+    prompts = [torch.randint(1, vocab, (k,), generator=g).tolist() for k in lengths]
+    for i in range(0, n, 3):  # repeated spans, so prompt lookup really drafts and gets accepted
+        prompts[i] = prompts[i] * 3
+    return prompts
+
+
+# (strategy, overrides): the lookup proposers draft every match (costs=null: on a tiny model the measured
+# verify cost would rightly stop drafting), jacobi drafts a fixed K
+STRATEGIES = [("baseline", {}), ("pld", {"propose.costs": None}), ("adaptive", {"propose.costs": None}),
+              ("jacobi", {"k": 3}), ("length_dynamic", {}), ("pld", {"propose.costs": None})]
+
+
+@pytest.mark.parametrize("max_batch_size", [1, 4, 16])
+def test_batch_equals_hf_greedy_with_mixed_strategies_and_joins(tiny, max_batch_size):
+    engine = make_engine(tiny, f"max_batch_size={max_batch_size}")
+    prompts = random_prompts(18, seed=max_batch_size)
+    requests = [Request(prompt_ids=p, strategy=STRATEGIES[i % 6][0], overrides=STRATEGIES[i % 6][1],
+                        max_new_tokens=NEW - i % 7) for i, p in enumerate(prompts)]
+    results = engine.generate(requests)  # 18 requests through a batch of at most max_batch_size: they join mid-run
+    drafted = 0
+    for request, result in zip(requests, results):
+        assert result.token_ids == hf_greedy(tiny.model, request.prompt_ids, request.max_new_tokens), request.strategy
+        drafted += result.stats["draft_tokens"]
+    assert drafted > 0  # drafts really went through the batched verify (acceptance: the oracle test below)
+    assert engine.steps < sum(r.stats["new_tokens"] for r in results)  # one forward served several sequences
+
+
+def test_tree_drafts_share_a_forward_with_chains_and_plain_steps(tiny):
+    engine = make_engine(tiny, "max_batch_size=8")
+    vocab = len(tiny.tokenizer)
+    prompts = random_prompts(8, seed=3)
+    handles = []
+    for i, p in enumerate(prompts):
+        reference = hf_greedy(tiny.model, p, NEW)
+        plugins = (OracleTreeProposer(reference, vocab, seed=i, wrong_rate=0.2),) if i % 2 == 0 else ()
+        strategy = "baseline" if i % 4 != 1 else "pld"
+        request = Request(prompt_ids=p, strategy=strategy, overrides={"k": 2 + i % 4} if i % 2 == 0 else {})
+        handles.append((engine.submit(request, extra_plugins=plugins, keep_steps=True), reference))
+    for i, (handle, reference) in enumerate(handles):
+        result = handle.result()
+        assert result.token_ids == reference
+        if i % 2 == 0:
+            assert any(not r.draft.is_chain for r in result.steps) and result.stats["mal"] > 1.5
+
+
+def test_batch_result_equals_its_own_batch_one_run(tiny):
+    prompts = random_prompts(6, seed=11)
+    requests = [Request(prompt_ids=p, strategy="jacobi", overrides={"k": 4}) for p in prompts]
+    alone = make_engine(tiny, "max_batch_size=1").generate(requests)
+    together = make_engine(tiny, "max_batch_size=6").generate(requests)
+    assert [r.token_ids for r in alone] == [r.token_ids for r in together]
+
+
+class FailsAtStep:
+    """Raises from propose at a given step: a strategy that breaks mid-decode."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    @hookimpl
+    def propose(self, state, k):
+        if state.step == self.step:
+            raise RuntimeError("proposer exploded")
+
+
+def test_bad_and_failing_requests_fail_alone(tiny):
+    engine = make_engine(tiny, "max_batch_size=8")
+    for bad, message in [
+        (Request(prompt_ids=[1, 2], strategy="nope"), "unknown strategy"),
+        (Request(prompt="   "), "empty prompt"),
+        (Request(), "empty prompt"),
+        (Request(prompt_ids=[1, 2], temperature=-1), "temperature"),
+        (Request(prompt_ids=[1, 2], top_p=0), "top_p"),
+        (Request(prompt_ids=[1, 2], top_p=float("nan")), "top_p"),
+        (Request(prompt_ids=[1, 2], max_new_tokens=0), "max_new_tokens"),
+        (Request(prompt_ids=[1, 2], stop=[""]), "stop"),
+        (Request(prompt_ids=[1] * 2000), "context"),
+        (Request(prompt_ids=[1, 99999]), "prompt_ids"),
+        (Request(prompt_ids=[1, 2], overrides={"propose.nonsense": 3}), "unknown parameter"),
+        (Request(prompt_ids=[1, 2], overrides={"propose._target_": "os.system"}), "not allowed"),
+        (Request(prompt_ids=[1, 2], strategy="baseline", overrides={"propose.max_ngram": 3}), "unknown parameter"),
+        (Request(prompt_ids=[1, 2], overrides={"k": -1}), "k"),
+    ]:
+        with pytest.raises(UserError, match=message):
+            engine.submit(bad)
+    prompts = random_prompts(5, seed=5)
+    good = [engine.submit(Request(prompt_ids=p, overrides={"propose.costs": None})) for p in prompts]
+    failing = engine.submit(Request(prompt_ids=prompts[0], overrides={"propose.costs": None}),
+                            extra_plugins=(FailsAtStep(3),))
+    with pytest.raises(UserError, match="proposer exploded"):
+        failing.result()
+    assert failing.status == "failed"
+    for p, handle in zip(prompts, good):
+        assert handle.result().token_ids == hf_greedy(tiny.model, p, NEW)
+
+
+def test_cancel_leaves_the_batch_and_others_finish(tiny):
+    engine = make_engine(tiny, "max_batch_size=4", "max_new_tokens=200")
+    prompts = random_prompts(3, seed=8)
+    started = threading.Event()
+    victim = engine.submit(Request(prompt_ids=prompts[0], max_new_tokens=200),
+                           on_step=lambda record, tokens: started.set())
+    others = [engine.submit(Request(prompt_ids=p, max_new_tokens=60)) for p in prompts[1:]]
+    assert started.wait(60)
+    victim.cancel(wait=True)
+    assert victim.status == "interrupted" and len(victim.result().token_ids) < 200
+    for p, handle in zip(prompts[1:], others):
+        assert handle.result().token_ids == hf_greedy(tiny.model, p, 60)
+    assert engine.pool.used == 0  # every KV slot went back
+
+
+def test_stream_threads_and_asyncio(tiny):
+    engine = make_engine(tiny, "max_batch_size=8")
+    prompts = random_prompts(6, seed=21)
+    outputs: dict[int, str] = {}
+
+    def client(i):
+        outputs[i] = "".join(engine.stream(Request(prompt_ids=prompts[i], strategy="pld")))
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i in range(4):
+        expected = tiny.tokenizer.decode(hf_greedy(tiny.model, prompts[i], NEW), skip_special_tokens=True)
+        assert outputs[i] == expected
+
+    async def both():
+        a = engine.submit(Request(prompt_ids=prompts[4]))
+        pieces = [p async for p in a.astream()]
+        b = await engine.submit(Request(prompt_ids=prompts[5])).aresult()
+        return "".join(pieces), b
+
+    text, result = asyncio.run(both())
+    assert result.token_ids == hf_greedy(tiny.model, prompts[5], NEW)
+    assert text == tiny.tokenizer.decode(hf_greedy(tiny.model, prompts[4], NEW), skip_special_tokens=True)
+
+
+def test_stream_holds_back_a_stop_string(tiny):
+    engine = make_engine(tiny)
+    prompt = random_prompts(1, seed=4)[0]
+    full = tiny.tokenizer.decode(hf_greedy(tiny.model, prompt, NEW), skip_special_tokens=True)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    assert stop.strip()
+    pieces = list(engine.stream(Request(prompt_ids=prompt, stop=[stop])))
+    assert "".join(pieces) == full[: full.index(stop)]
+
+
+def test_queue_bound(tiny):
+    engine = make_engine(tiny, "max_batch_size=1", "max_waiting=2")
+    prompt = random_prompts(1, seed=2)[0]
+    release, running = threading.Event(), threading.Event()
+
+    def hold(record, tokens):  # keeps the engine busy with the first request
+        running.set()
+        release.wait(60)
+
+    first = engine.submit(Request(prompt_ids=prompt), on_step=hold)
+    assert running.wait(60)
+    waiting = [engine.submit(Request(prompt_ids=prompt)) for _ in range(2)]
+    with pytest.raises(QueueFull):
+        engine.submit(Request(prompt_ids=prompt))
+    release.set()
+    for h in [first, *waiting]:
+        assert h.result(60).token_ids == hf_greedy(tiny.model, prompt, NEW)
+
+
+def test_sampling_in_a_batch_keeps_the_target_distribution():
+    """Speculative sampling requests decoded 16 at a time: the second token's distribution equals plain
+    sampling's (chi-square), as in the batch-1 test of test_sampling_distribution."""
+    vocab = 8
+    model = make_tiny_model(vocab, seed=2, init=0.5)
+    model.generation_config.eos_token_id = None
+    loaded = LoadedModel(model, make_tiny_tokenizer(), "tiny-8", torch.device("cpu"), torch.float32, 1024, (-1,))
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    n = 300
+    engine = Engine(compose(["strategy=baseline", "trace=off", "max_batch_size=16"]), loaded=loaded)
+    tables = []
+    for strategy, overrides in (("baseline", {}), ("sampling", {"propose.min_ngram": 1, "propose.costs": None})):
+        requests = [Request(prompt_ids=prompt, strategy=strategy, overrides=overrides, temperature=1.0, seed=seed,
+                            max_new_tokens=4) for seed in range(n)]
+        results = engine.generate(requests)
+        drafted = sum(r.stats["draft_tokens"] for r in results)
+        tables.append((Counter(tuple(r.token_ids[1:2]) for r in results), drafted))
+    (plain, _), (spec, drafted) = tables
+    assert drafted > n  # speculation really happened
+    keys = sorted(set(plain) | set(spec))
+    table = [[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]]
+    table = [[a for a, b in zip(*table) if a + b >= 10], [b for a, b in zip(*table) if a + b >= 10]]
+    assert chi2_contingency(table).pvalue > 1e-3
