@@ -4,6 +4,7 @@ speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG c
 
     python -m mtpflow.bench strategies=[baseline,pld,jacobi] max_new_tokens=128
     python -m mtpflow.bench mode=cost            # per-forward cost of the verify pass for K = 0..16
+    python -m mtpflow.bench mode=batch strategies=[baseline,pld,mtp]   # engine vs HF batched, batch 1..16
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ DEFAULTS = {
     "classes": None,  # only these classes
     "limit": 0,  # prompts per class (0 = all)
     "out": "bench-results",
-    "mode": "decode",  # decode | cost
+    "mode": "decode",  # decode | cost | batch
+    "batch_sizes": [1, 2, 4, 8, 16],  # mode=batch: engine max_batch_size / HF batch sizes
+    "batch_k": ["off", "auto"],  # mode=batch: each strategy without and with the engine's batch-aware K
     "overrides": [],  # extra config overrides for every strategy, e.g. ["trace=off"]
     "model": None,  # model.name override
     "cost_context": 256,
@@ -236,7 +239,7 @@ def measure_verify_cost(loaded, ks=(0, 1, 2, 4, 8, 16), context: int = 256, repe
     """Milliseconds per verify forward feeding the root plus K draft tokens on a ``context``-token cache:
     median and fastest of ``repeats`` interleaved rounds (``time_verify_forwards``, as the cost models
     measure); ``cost_vs_k0`` is the ratio of the fastest (load on a shared machine only ever adds time)."""
-    from mtpflow.strategies.hardware import time_verify_forwards
+    from mtpflow.cost_model import time_verify_forwards
 
     times = time_verify_forwards(loaded.model, list(ks), context, repeats)
     rows = [{"k": k, "tokens_per_forward": k + 1, "median_ms": round(1000 * statistics.median(t), 2),
@@ -272,9 +275,9 @@ def check_options(opts) -> None:
     may be given without brackets (``strategies=pld``)."""
     from omegaconf import ListConfig
 
-    if opts.mode not in ("decode", "cost"):
-        raise UserError(f"mode must be decode or cost, got {opts.mode!r}")
-    for name in ("strategies", "classes", "cost_ks", "overrides"):
+    if opts.mode not in ("decode", "cost", "batch"):
+        raise UserError(f"mode must be decode, cost or batch, got {opts.mode!r}")
+    for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k"):
         value = opts[name]
         if value is not None and not isinstance(value, ListConfig):
             opts[name] = [value]
@@ -286,6 +289,10 @@ def check_options(opts) -> None:
     check_int("cost_context", opts.cost_context, 1)
     for k in opts.cost_ks:
         check_int("cost_ks", k, 0)
+    for b in opts.batch_sizes:
+        check_int("batch_sizes", b, 1, 256)
+    if any(k not in ("off", "auto") for k in opts.batch_k):
+        raise ConfigError(f"batch_k takes off and/or auto, got {list(opts.batch_k)}")
 
 
 def main(argv=None) -> int:
@@ -330,8 +337,15 @@ def main(argv=None) -> int:
             plt.savefig(out / "verify_cost.png", dpi=110)
             print(f"\nwrote {out / 'verify_cost.csv'} and {out / 'verify_cost.png'}")
             return 0
-        if opts.mode != "decode":
-            raise UserError(f"mode must be decode or cost, got {opts.mode!r}")
+        if opts.mode == "batch":
+            from mtpflow.bench_batch import plot_batch, run_batch_bench
+
+            table = run_batch_bench(opts, load_prompt_suite)
+            table.to_csv(out / "batch_summary.csv", index=False)
+            plot_batch(table, out / "batch_throughput.png")
+            print(table.to_string(index=False))
+            print(f"\nwrote {out / 'batch_summary.csv'} and {out / 'batch_throughput.png'}")
+            return 0
         df = run_decode_bench(opts)
         table = summarize(df)
         df.to_csv(out / "bench_runs.csv", index=False)

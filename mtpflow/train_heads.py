@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from mtpflow.errors import ConfigError, UserError, check_int, check_range, writable_folder
+from mtpflow.model import model_slug
 from mtpflow.strategies.head_modules import (
     EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads,
 )
@@ -49,14 +50,6 @@ def compose(overrides: list[str]) -> DictConfig:
             raise UserError(f"bad configuration: {' '.join(str(exc).split())[:300]}") from None
         finally:
             GlobalHydra.instance().clear()
-
-
-def model_slug(name: str | None) -> str:
-    from mtpflow.model import DEFAULT_MODEL
-
-    if name in (None, "", DEFAULT_MODEL):
-        return DEFAULT_MODEL
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(name)).name) or "model"
 
 
 def pick_draft_vocab(records: list[dict], size: int, vocab: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from mtpflow.errors import ConfigError, UserError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.sampling import target_probs
-from mtpflow.strategies.hardware import (
+from mtpflow.cost_model import (
     CostCurve, DecayedAcceptance, ProbeSchedule, check_costs, expected_tokens, load_verify_costs,
 )
 from mtpflow.strategies.k_selectors import check_k

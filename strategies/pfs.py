@@ -12,7 +12,7 @@ import torch
 from mtpflow.errors import ConfigError, check_int, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import pfs_prune
-from mtpflow.strategies.hardware import CostCurve, check_costs, load_verify_costs
+from mtpflow.cost_model import CostCurve, check_costs, load_verify_costs
 from mtpflow.types import DecodeState, Draft
 
 

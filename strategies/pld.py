@@ -9,7 +9,7 @@ import torch
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.kernels import ngram_continuation
-from mtpflow.strategies.hardware import AUTO, CostCurve, DecayedAcceptance, check_costs, load_verify_costs
+from mtpflow.cost_model import AUTO, CostCurve, DecayedAcceptance, check_costs, load_verify_costs
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 

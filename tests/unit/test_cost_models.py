@@ -5,7 +5,7 @@ import pytest
 
 from helpers import hf_greedy, make_pipeline
 from mtpflow.errors import ConfigError
-from mtpflow.strategies.hardware import CostCurve, expected_tokens
+from mtpflow.cost_model import CostCurve, expected_tokens
 from mtpflow.strategies.pld import PromptLookupProposer
 
 FLAT = {0: 1.0, 1: 1.0, 4: 1.0, 8: 1.0}  # a GPU-like curve: extra draft tokens are free
@@ -91,7 +91,7 @@ def test_cost_aware_draft_model_skips_a_costly_drafter_and_probes(tiny):
 def test_probe_schedule_backs_off_while_probes_are_rejected():
     """A rejected probe doubles the idle gap before the next one (up to 8x every); an accepted draft resets
     it, so a useless drafter costs almost nothing and a useful one is found again."""
-    from mtpflow.strategies.hardware import ProbeSchedule
+    from mtpflow.cost_model import ProbeSchedule
 
     probes = ProbeSchedule(every=2)
     gaps, idle = [], 0
@@ -214,7 +214,7 @@ def test_pfs_calibrated_nodes_skip_threshold_and_scaling():
 
 
 def test_decayed_acceptance_learns_and_forgets_rejections():
-    from mtpflow.strategies.hardware import DecayedAcceptance
+    from mtpflow.cost_model import DecayedAcceptance
 
     est = DecayedAcceptance(prior=0.5, memory=0.9, prior_weight=2.0)
     assert est.value == pytest.approx(0.5)

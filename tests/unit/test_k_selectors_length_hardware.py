@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mtpflow.errors import ConfigError
+from mtpflow import cost_model
 from mtpflow.strategies import hardware
 from mtpflow.strategies.hardware import HardwareAwareK, best_k, expected_tokens
 from mtpflow.strategies.length import LengthScheduleK
@@ -145,7 +146,7 @@ def test_auto_measures_once_and_caches_on_disk(tiny, tmp_path, monkeypatch):
     def no_measure(*args, **kwargs):
         raise AssertionError("measured again despite the cache")
 
-    monkeypatch.setattr(hardware, "measure_verify_costs", no_measure)
+    monkeypatch.setattr(cost_model, "measure_verify_costs", no_measure)
     second = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, cost_repeats=1)
     assert second.on_run_start(ctx)["auto_costs"] == "cached" and second.costs == first.costs
     other_device = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, device_name="NVIDIA H100")

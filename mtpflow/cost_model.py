@@ -1,0 +1,332 @@
+"""The cost model: what a verify forward costs on this machine and what drafting is expected to gain.
+
+- ``load_verify_costs`` measures the cost of one sequence's verify forward per draft length once per device,
+  model, dtype and thread count (cached on disk); ``CostCurve`` turns it into relative costs;
+- ``expected_tokens`` / ``best_k`` / ``CostCurve.best_length``: the expected-tokens-per-second rule used by
+  K selectors (``hardware_aware``, ``jacobi``), pruners (PFS) and proposers (cost-aware prompt lookup,
+  ``draft_model``);
+- ``DecayedAcceptance``: the one acceptance estimator; ``ProbeSchedule``: when an idle drafter probes;
+- ``BatchCostModel``: the cost of ONE batched verify forward by (sequences, rows per sequence), which the
+  engine uses to cap every sequence's draft where a bigger forward no longer pays for itself.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from mtpflow.errors import ConfigError
+
+AUTO = "auto"
+COST_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # the K set whose verify cost is measured (and cached) for cost models
+
+
+def device_name(device: str) -> str:
+    """A readable name of a torch device: the CUDA product name, or "cpu" / the device type."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(dev)
+    return dev.type
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Expected tokens per step with K drafts, each accepted with probability ``acceptance`` given the previous
+    one was: 1 + a + ... + a^K (the bonus or recovered token included)."""
+    if acceptance >= 1.0:
+        return float(k + 1)
+    return (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
+
+
+def best_k(costs: dict[int, float], acceptance: float) -> int:
+    """The K (a key of ``costs``, seconds per verify forward) with the most expected tokens per second;
+    ties go to the smaller K."""
+    return max(sorted(costs), key=lambda k: expected_tokens(acceptance, k) / costs[k])
+
+
+def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Fastest seconds of a verify forward per K (``time_verify_forwards``): load on a shared machine only
+    ever adds time (with medians, a 2-core host under load measured 2 draft tokens dearer than 4)."""
+    return {k: min(v) for k, v in time_verify_forwards(model, ks, context, repeats).items()}
+
+
+@torch.inference_mode()
+def time_verify_forwards(model, ks, context: int, repeats: int) -> dict[int, list[float]]:
+    """{K: ``repeats`` timings in seconds} of a verify forward feeding the root plus K random draft tokens on a
+    ``context``-token cache; the Ks are interleaved so background load drifts hit them alike, after one
+    warm-up round."""
+    from tqdm import tqdm
+
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    target = Target(model)
+    target.prefill(torch.randint(0, vocab, (context,), generator=g))
+    drafts = {k: Draft.chain(torch.randint(0, vocab, (k,), generator=g)) for k in ks}
+    cuda = target.device.type == "cuda"
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    start = target.cache_len
+    for i in tqdm(range(repeats + 1), desc="measuring verify cost", unit="round", leave=False):
+        for k in ks:
+            target.cache_len = start  # roll back by position: the draft entries are simply overwritten
+            if cuda:
+                torch.cuda.synchronize(target.device)
+            t0 = time.perf_counter()
+            target.verify(1, drafts[k], root_position=start)
+            if cuda:
+                torch.cuda.synchronize(target.device)
+            seconds = time.perf_counter() - t0
+            if i:  # the first round warms up kernels and allocators
+                times[k].append(seconds)
+    return times
+
+
+def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: list[int], host: str = "") -> Path:
+    from mtpflow.model import measurement_path
+
+    key = [device, model_id, dtype, context, sorted(ks)] + ([host] if host else [])
+    return measurement_path("verify_cost", *key)
+
+
+def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int = 5,
+                      name: str | None = None) -> tuple[dict[int, float], str]:
+    """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device: measured
+    once per device (on a CPU: per CPU model and thread count), model, dtype, linear kind
+    (``mtpflow.kernels.cpu_linear``) and K set, then read from ``~/.cache/mtpflow/verify_cost``. Shared by
+    ``HardwareAwareK`` and the cost-aware prompt lookup."""
+    from mtpflow.kernels import cpu_linear
+    from mtpflow.model import read_measurement, write_measurement
+
+    model = context.model
+    name = name or device_name(context.device)
+    ks = sorted(set(ks))
+    limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(ks) - 2
+    ctx = max(1, min(cost_context, limit))
+    linear = cpu_linear.state(model)
+    host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if torch.device(context.device).type == "cpu" else ""
+    path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}/fastest", ctx, ks, host)
+    stored = read_measurement(path)
+    try:
+        return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
+    except (TypeError, KeyError, ValueError, AttributeError):
+        pass  # missing or damaged: measured again
+    costs = measure_verify_costs(model, ks, ctx, repeats)
+    write_measurement(path, {"device": name, "host": host, "model": context.model_id, "dtype": str(model.dtype),
+                             "linear": linear, "context": ctx, "seconds": {str(k): v for k, v in costs.items()}})
+    return costs, "measured"
+
+
+class CostCurve:
+    """Relative cost of a verify forward with L draft tokens (1.0 = a plain one-token forward), from measured
+    {K: seconds}: non-decreasing (a running maximum irons out timing noise), linear between measured Ks and
+    extended beyond the largest one with the slope of the last two."""
+
+    def __init__(self, costs: dict[int, float]):
+        ks = sorted(costs)
+        if not ks or ks[0] != 0:
+            raise ConfigError("verify costs must include K=0")
+        base = costs[0]
+        self.ks, self.rel, top = ks, [], 0.0
+        for k in ks:
+            top = max(top, costs[k] / base)
+            self.rel.append(top)
+
+    def __call__(self, length: int) -> float:
+        ks, rel = self.ks, self.rel
+        if length <= ks[0]:
+            return rel[0]
+        for i in range(1, len(ks)):
+            if length <= ks[i]:
+                f = (length - ks[i - 1]) / (ks[i] - ks[i - 1])
+                return rel[i - 1] + f * (rel[i] - rel[i - 1])
+        if len(ks) == 1:
+            return rel[0]
+        slope = (rel[-1] - rel[-2]) / (ks[-1] - ks[-2])
+        return rel[-1] + slope * (length - ks[-1])
+
+    def best_length(self, acceptance: float, longest: int) -> int:
+        """The draft length in 0..longest with the most expected tokens per unit of cost (ties: shorter)."""
+        return max(range(longest + 1), key=lambda n: (expected_tokens(acceptance, n) / self(n), -n))
+
+
+def check_costs(costs):
+    """A stage's ``costs`` setting: None (off), ``auto`` (measured, ``load_verify_costs``) or a {K: seconds}
+    mapping including K=0."""
+    if costs is None or costs == AUTO:
+        return costs
+    if hasattr(costs, "items"):
+        try:
+            table = {int(k): float(v) for k, v in costs.items()}
+        except (TypeError, ValueError):
+            table = {}
+        if 0 in table and all(v > 0 for v in table.values()):
+            return table
+    raise ConfigError(f"strategy costs must be null, auto or a {{K: seconds}} mapping with K=0, got {costs!r}")
+
+
+class DecayedAcceptance:
+    """Per-position draft acceptance a, from decayed counts of accepted draft tokens and of rejection events
+    (a geometric model: each draft token is accepted with probability a given the previous one was), with
+    ``prior`` counting as ``prior_weight`` observations that never decay."""
+
+    def __init__(self, prior: float = 0.5, memory: float = 0.9, prior_weight: float = 2.0):
+        self.prior, self.memory, self.prior_weight = float(prior), float(memory), float(prior_weight)
+        self.accepted = self.rejected = 0.0
+
+    @property
+    def value(self) -> float:
+        w = self.prior_weight
+        return (self.accepted + w * self.prior) / (self.accepted + self.rejected + w)
+
+    def update(self, accepted: int, drafted_depth: int) -> None:
+        """One verified draft: ``accepted`` of its ``drafted_depth`` positions were accepted."""
+        self.accepted = self.memory * self.accepted + accepted
+        self.rejected = self.memory * self.rejected + (1 if accepted < drafted_depth else 0)
+
+    def forget_rejections(self) -> None:
+        """A step where the draft was not tried: rejections fade a little, so a skipped drafter retries."""
+        self.rejected *= self.memory
+
+
+
+class ProbeSchedule:
+    """When a cost model picks "no draft", its acceptance estimate stops learning; so after ``every`` idle
+    steps it probes (drafts once anyway). Each rejected probe doubles the gap, up to ``max_factor * every``;
+    an accepted draft resets it, so a useless drafter costs almost nothing and a useful one is found again.
+    ``every = 0`` never probes."""
+
+    def __init__(self, every: int, max_factor: int = 8):
+        self.every, self.max_gap = int(every), int(every) * int(max_factor)
+        self.gap, self.idle, self.probing = self.every, 0, False
+
+    def should_probe(self) -> bool:
+        """Ask when the cost model chose no draft: True (this step is a probe) once the gap has passed."""
+        self.probing = self.every > 0 and self.idle >= self.gap
+        return self.probing
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """After each step: ``drafted`` nodes verified, ``accepted`` of them kept."""
+        probed, self.probing = self.probing, False
+        if drafted == 0:
+            self.idle += 1
+            return
+        self.idle = 0
+        if accepted:
+            self.gap = self.every
+        elif probed:
+            self.gap = min(2 * self.gap, self.max_gap)
+
+
+# ----- the batch: one verify forward for every running sequence --------------------------------------------------
+BATCH_SIZES = (1, 4, 16)  # measured; sizes between are interpolated (the first batched step pays ~10 s once)
+BATCH_ROWS = (1, 3, 9, 17)  # rows per sequence in a forward: the root plus 0, 2, 8, 16 draft nodes
+
+
+@torch.inference_mode()
+def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context: int = 128,
+                        repeats: int = 2) -> dict[tuple[int, int], float]:
+    """{(sequences, rows per sequence): fastest seconds} of ``mtpflow.target.verify_batch`` over caches of
+    ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
+    from tqdm import tqdm
+
+    from mtpflow.kv_cache import KVPool
+    from mtpflow.target import Target, verify_batch
+    from mtpflow.types import Draft
+
+    g = torch.Generator().manual_seed(0)
+    vocab = int(model.config.vocab_size)
+    out: dict[tuple[int, int], float] = {}
+    for b in tqdm(batch_sizes, desc="measuring batch verify cost", unit="batch size", leave=False):
+        pool = KVPool(model, b)
+        targets = [Target(model, pool=pool) for _ in range(b)]
+        for t in targets:
+            t.prefill(torch.randint(0, vocab, (context,), generator=g))
+        for i in range(repeats + 1):
+            for q in rows:
+                drafts = [Draft.chain(torch.randint(0, vocab, (q - 1,), generator=g)) for _ in targets]
+                t0 = time.perf_counter()
+                verify_batch(model, targets, [1] * b, drafts, [context] * b)
+                seconds = time.perf_counter() - t0
+                for t in targets:
+                    t.cache_len = context  # roll back by position
+                if i:
+                    out[(b, q)] = min(out.get((b, q), float("inf")), seconds)
+        for t in targets:
+            t.release()
+    return out
+
+
+class BatchCostModel:
+    """Seconds of one batched verify forward as a function of (sequences B, rows per sequence q), from a
+    measured grid (``measure_batch_costs``), interpolated linearly in q and in B and extended linearly past
+    the grid; non-decreasing in both (a running maximum irons out timing noise)."""
+
+    def __init__(self, grid: dict[tuple[int, int], float]):
+        self.batch_sizes = sorted({b for b, _ in grid})
+        self.rows = sorted({q for _, q in grid})
+        self.table = {}
+        for b in self.batch_sizes:
+            top = 0.0
+            for q in self.rows:
+                top = max(top, grid[(b, q)])
+                self.table[(b, q)] = top
+        for q in self.rows:  # more sequences never cost less
+            top = 0.0
+            for b in self.batch_sizes:
+                top = max(top, self.table[(b, q)])
+                self.table[(b, q)] = top
+
+    @staticmethod
+    def _interp(xs, x, f):
+        if x <= xs[0]:
+            return f(xs[0])
+        for lo, hi in zip(xs, xs[1:]):
+            if x <= hi:
+                w = (x - lo) / (hi - lo)
+                return f(lo) + w * (f(hi) - f(lo))
+        lo, hi = xs[-2], xs[-1]
+        return f(hi) + (x - hi) * (f(hi) - f(lo)) / (hi - lo) if len(xs) > 1 else f(hi)
+
+    def seconds(self, batch: int, rows: int) -> float:
+        if len(self.rows) == 1:
+            per_b = lambda b: self.table[(b, self.rows[0])]  # noqa: E731
+            return self._interp(self.batch_sizes, batch, per_b)
+        at = lambda b: self._interp(self.rows, rows, lambda q: self.table[(b, q)])  # noqa: E731
+        return self._interp(self.batch_sizes, batch, at) if len(self.batch_sizes) > 1 else at(self.batch_sizes[0])
+
+    def best_rows(self, acceptances: list[float], drafted: list[int]) -> int:
+        """The rows per sequence (1 + draft nodes kept) that maximise the batch's expected tokens per second,
+        when sequence i drafted ``drafted[i]`` nodes accepted at rate ``acceptances[i]`` each (a chain
+        estimate: a tree's extra branches only add). 1 means no speculation this step."""
+        longest = max(drafted, default=0)
+        batch = len(drafted)
+        best, best_rate = 1, 0.0
+        for q in range(1, longest + 2):
+            tokens = sum(expected_tokens(a, min(n, q - 1)) for a, n in zip(acceptances, drafted))
+            rate = tokens / self.seconds(batch, q)
+            if rate > best_rate * 1.0001:
+                best, best_rate = q, rate
+        return best
+
+
+def load_batch_costs(loaded, context: int = 128, repeats: int = 2) -> tuple[BatchCostModel, str]:
+    """The batch cost model for a loaded model on this machine, measured once and cached on disk."""
+    from mtpflow.kernels import cpu_linear
+    from mtpflow.model import measurement_path, read_measurement, write_measurement
+
+    model = loaded.model
+    host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if loaded.device.type == "cpu" else device_name(str(loaded.device))
+    key = ("batch", loaded.model_id, str(model.dtype), cpu_linear.state(model), host, context, BATCH_SIZES, BATCH_ROWS)
+    path = measurement_path("batch_cost", *key)
+    stored = read_measurement(path)
+    try:
+        grid = {(int(b), int(q)): float(s) for b, q, s in stored["grid"]}
+        return BatchCostModel(grid), "cached"
+    except (TypeError, KeyError, ValueError):
+        pass
+    grid = measure_batch_costs(model, context=context, repeats=repeats)
+    write_measurement(path, {"model": loaded.model_id, "host": host, "context": context,
+                             "grid": [[b, q, s] for (b, q), s in sorted(grid.items())]})
+    return BatchCostModel(grid), "measured"
