@@ -20,7 +20,7 @@ from mtpflow.playground.backend import (
 )
 from mtpflow.playground.views import SideView
 
-DECODE_CONCURRENCY_ID = "decode"  # every event that decodes shares one slot: one decode at a time per process
+DECODE_CONCURRENCY_ID = "decode"  # every event that decodes shares these slots; the engine batches their requests
 
 
 def status_html(message: str, error: bool = False) -> str:
@@ -90,11 +90,11 @@ class ComparisonHandler:
         sides = [SideView(p.strategy_name) for p in pipes]
         cancel = threading.Event()
         try:
-            for i, (pipe, side) in enumerate(zip(pipes, sides)):
-                label = "AB"[i]
-                for _ in self.backend.run_side(pipe, str(prompt), side, t_request, cancel):
-                    msg = f"decoding {label} ({side.strategy})…"
-                    yield self.outputs((False, msg), sides[0], sides[1] if i else None, show_rejected, final=False)
+            # A and B decode at the same time, in one engine batch (with other visitors' requests)
+            for _ in self.backend.run_sides(pipes, str(prompt), sides, t_request, cancel):
+                running = [f"{'AB'[i]} ({s.strategy})" for i, s in enumerate(sides) if not s.done]
+                msg = f"decoding {' and '.join(running)}…" if running else "finishing…"
+                yield self.outputs((False, msg), sides[0], sides[1], show_rejected, final=False)
             failed = [f"{'AB'[i]} ({s.strategy}): {s.error}" for i, s in enumerate(sides) if s.error]
             if failed:
                 status = (True, "strategy failed: " + "; ".join(failed))
@@ -181,7 +181,8 @@ def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
                 yield from handler(prompt, strategy_a, strategy_b, max_new_tokens, temperature, k, params_a,
                                    params_b, show_rejected)
 
-            run_event = run.click(compare, inputs, outputs, api_name="compare", concurrency_limit=1,
+            # several visitors at once: their requests join the one engine's batch (max_batch_size sequences)
+            run_event = run.click(compare, inputs, outputs, api_name="compare", concurrency_limit=4,
                                   concurrency_id=DECODE_CONCURRENCY_ID)
             stop.click(None, None, None, cancels=[run_event], api_visibility="private")
 

@@ -1,8 +1,9 @@
 """The playground's model-side work: validate the page's knobs, build one ``Pipeline`` per strategy on the
-one shared model, and run the two decodes of a comparison one after the other while streaming snapshots.
+one shared engine, and run the two decodes of a comparison at the same time while streaming snapshots.
 
-One process holds one model and runs at most one decode at a time (a lock, on top of the Gradio queue's
-concurrency limit), so two users never share a KV cache or the CPU mid-step.
+One process holds one model and one ``mtpflow.engine.Engine``: A and B of a comparison, and the comparisons
+of several visitors, are requests of that engine and decode together in its batch (each sequence with its
+own KV cache slot and stage objects), so nobody waits for another visitor's whole run.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from typing import Iterator
 
 from mtpflow.api import Pipeline
 from mtpflow.config import available_strategies, compose
+from mtpflow.engine import Engine
 from mtpflow.errors import ConfigError, UserError, check_int
 from mtpflow.model import load_model
 from mtpflow.runplugins import default_run_plugins
@@ -157,10 +159,6 @@ def strategy_description(strategy: str) -> str:
     return f"{cfg.get('description', '')} ({lossless})"
 
 
-class DecodeCancelled(Exception):
-    """The visitor left; stop the decode at the next step."""
-
-
 class PlaygroundBackend:
     """Holds the one model of this process and runs comparisons on it."""
 
@@ -171,7 +169,7 @@ class PlaygroundBackend:
         m = base.model
         self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
         self.defaults = base
-        self._decode_lock = threading.Lock()
+        self.engine = Engine(base, loaded=self.loaded)  # every comparison's requests decode in its batch
         self._cache_lock = threading.Lock()
         self._configs: dict[tuple[str, ...], object] = {}
         # Run plugins (the trace recorder and its open database) depend on the run-level config only, which
@@ -206,68 +204,87 @@ class PlaygroundBackend:
         if strategy not in self.strategies():
             raise UserError(f"unknown strategy {strategy!r}")
         cfg = self._compose((f"strategy={strategy}", *self.base_overrides, *knobs.overrides(), *extra))
-        return Pipeline(cfg, run_plugins=self.run_plugins, loaded=self.loaded)
+        return Pipeline(cfg, run_plugins=self.run_plugins, engine=self.engine)
 
     def warm_up(self) -> float:
         """One short decode so the first visitor's timings are not paying for lazy initialisation."""
         t0 = time.perf_counter()
-        pipe = self.build("baseline", Knobs(2, 0.0, None), [])
-        with self._decode_lock:
-            pipe("hi")
+        self.build("baseline", Knobs(2, 0.0, None), [])("hi")
         return time.perf_counter() - t0
 
-    def run_side(self, pipe: Pipeline, prompt: str, side: SideView, t_request: float,
-                 cancel: threading.Event, min_interval: float = 0.1) -> Iterator[SideView]:
-        """Decode on a worker thread, yielding ``side`` as tokens arrive (at most every ``min_interval`` s)."""
+    def run_sides(self, pipes: list[Pipeline], prompt: str, sides: list[SideView], t_request: float,
+                  cancel: threading.Event, min_interval: float = 0.1) -> Iterator[int]:
+        """Decode every pipe's request at once (one engine batch), yielding the index of the side that changed
+        as tokens arrive (each side at most every ``min_interval`` s). ``cancel`` (the visitor left) cancels
+        whatever is still decoding."""
         updates: queue.Queue = queue.Queue()
-        detok = IncrementalDetokenizer(pipe.tokenizer)
-        tokenizer = pipe.tokenizer
+        handles = []
+        detoks = [IncrementalDetokenizer(p.tokenizer) for p in pipes]
 
-        def on_step(record, emitted):
-            if cancel.is_set():
-                raise DecodeCancelled()
-            tokens = step_tokens(record, list(emitted), detok)
-            view = step_view(record, tokenizer) if record is not None else None
-            updates.put((tokens, view, time.perf_counter()))
+        def on_step_for(i, tokenizer):
+            def on_step(record, emitted):
+                tokens = step_tokens(record, list(emitted), detoks[i])
+                view = step_view(record, tokenizer) if record is not None else None
+                updates.put((i, "step", (tokens, view, time.perf_counter())))
+            return on_step
 
-        def work():
+        def waiter(i, handle):
             try:
-                with self._decode_lock:
-                    result = pipe(prompt, on_step=on_step)
-                updates.put(("done", result))
+                updates.put((i, "done", handle.result()))
             except UserError as exc:
-                updates.put(("error", str(exc)))
-            except DecodeCancelled:
-                updates.put(("error", "cancelled"))
+                updates.put((i, "error", str(exc)))
             except Exception as exc:  # a failing strategy must not take the page down: show it in its pane
-                updates.put(("error", f"{type(exc).__name__}: {exc}"))
+                updates.put((i, "error", f"{type(exc).__name__}: {exc}"))
 
-        threading.Thread(target=work, name=f"decode-{side.strategy}", daemon=True).start()
-        last_yield, dirty = 0.0, False
-        while True:
-            try:
-                item = updates.get(timeout=min_interval)
-            except queue.Empty:
-                item = None
-            if item is not None and item[0] == "done":
-                result = item[1]
-                finish_tokens(side.tokens, detok)
-                side.stats, side.text, side.run_id, side.done = result.stats, result.text, result.run_id, True
-                yield side
-                return
-            if item is not None and item[0] == "error":
-                side.error, side.done = item[1], True
-                yield side
-                return
-            if item is not None:
-                tokens, view, t_arrived = item
-                if side.first_token_seconds is None and tokens:
-                    side.first_token_seconds = t_arrived - t_request
-                side.tokens.extend(tokens)
-                if view is not None:
-                    side.steps.append(view)
-                dirty = True
-            now = time.perf_counter()
-            if dirty and now - last_yield >= min_interval:
-                last_yield, dirty = now, False
-                yield side
+        try:
+            for i, pipe in enumerate(pipes):
+                try:
+                    handles.append(pipe.submit(prompt, on_step=on_step_for(i, pipe.tokenizer)))
+                except UserError as exc:
+                    handles.append(None)
+                    updates.put((i, "error", str(exc)))
+            for i, handle in enumerate(handles):
+                if handle is not None:
+                    threading.Thread(target=waiter, args=(i, handle), name=f"wait-{sides[i].strategy}",
+                                     daemon=True).start()
+            last_yield = [0.0] * len(sides)
+            dirty = [False] * len(sides)
+            open_sides = len(sides)
+            while open_sides:
+                if cancel.is_set():
+                    return
+                try:
+                    i, kind, payload = updates.get(timeout=min_interval)
+                except queue.Empty:
+                    i, kind, payload = None, None, None
+                if kind == "done":
+                    side = sides[i]
+                    finish_tokens(side.tokens, detoks[i])
+                    side.stats, side.text, side.run_id, side.done = payload.stats, payload.text, payload.run_id, True
+                    open_sides -= 1
+                    yield i
+                    continue
+                if kind == "error":
+                    sides[i].error, sides[i].done = ("cancelled" if handles[i] is not None and
+                                                     handles[i].status == "interrupted" else payload), True
+                    open_sides -= 1
+                    yield i
+                    continue
+                if kind == "step":
+                    tokens, view, t_arrived = payload
+                    side = sides[i]
+                    if side.first_token_seconds is None and tokens:
+                        side.first_token_seconds = t_arrived - t_request
+                    side.tokens.extend(tokens)
+                    if view is not None:
+                        side.steps.append(view)
+                    dirty[i] = True
+                now = time.perf_counter()
+                for j in range(len(sides)):
+                    if dirty[j] and now - last_yield[j] >= min_interval:
+                        last_yield[j], dirty[j] = now, False
+                        yield j
+        finally:
+            for handle in handles:
+                if handle is not None and not handle.done:
+                    handle.cancel()
