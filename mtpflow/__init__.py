@@ -1,7 +1,10 @@
 """mtpflow: several tokens per forward pass from any Hugging Face causal LM, without retraining it.
 
-The loop is ``mtpflow.loop.DecodeLoop``; the stage hooks are in ``mtpflow.hookspecs``; built-in stages live
-in ``mtpflow.strategies``; strategies are YAML files in ``mtpflow/conf/strategy``.
+Where things are: the engine (queue, continuous batching, one verify forward per step) is
+``mtpflow.engine.Engine``; one step of one sequence is ``mtpflow.loop.Sequence`` and the step of the whole
+batch ``mtpflow.loop.decode_step``; the stage hooks are in ``mtpflow.hookspecs``; built-in stages live in
+``mtpflow.strategies``; strategies are YAML files in ``mtpflow/conf/strategy``; a request is
+``mtpflow.request.Request``.
 """
 __version__ = "0.1.0"
 

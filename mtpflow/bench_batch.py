@@ -62,7 +62,7 @@ def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
     engine = Engine(compose(["strategy=baseline", *common]))
     loaded = engine.loaded
     tokenizer = loaded.tokenizer
-    prompts = [torch.tensor(engine.prepare(Request(prompt=item["prompt"]))[0].prompt_ids) for item in suite]
+    prompts = [engine.prepare(Request(prompt=item["prompt"]))[0].prompt_ids for item in suite]
     n_new = int(opts.max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else loaded.eos_token_ids[0]
     settings = [(name, "off") for name in opts.strategies]

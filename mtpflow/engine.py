@@ -1,6 +1,6 @@
 """The engine: one model, many requests in flight, decoded together.
 
-    engine = mtpflow.engine(["max_batch_size=8"])            # loads the model once
+    engine = Engine.from_overrides(["max_batch_size=8"])     # loads the model once
     results = engine.generate([Request(prompt="Hi"), Request(prompt="Summarize: ...", strategy="mtp")])
     for piece in engine.stream(Request(prompt="Tell me a joke")): print(piece, end="")
     handle = engine.submit(Request(prompt="...")); handle.cancel()
@@ -243,6 +243,17 @@ class Engine:
         self._batch_costs = None  # BatchCostModel, measured (or read from the cache) at the first batched step
         atexit.register(_stop_at_exit, weakref.ref(self))  # end the decode thread before the interpreter does
 
+    @classmethod
+    def from_overrides(cls, overrides: list[str] | tuple[str, ...] = (), **kwargs) -> Engine:
+        """An engine for ``compose(overrides)`` (e.g. ``["model.name=...", "max_batch_size=16"]``), with the
+        config's run plugins (traces) unless ``run_plugins`` is given."""
+        cfg = compose(list(overrides))
+        if "run_plugins" not in kwargs:
+            from mtpflow.runplugins import default_run_plugins
+
+            kwargs["run_plugins"] = default_run_plugins(cfg)
+        return cls(cfg, **kwargs)
+
     # ----- requests ----------------------------------------------------------------------------------------------
     def strategies(self) -> list[str]:
         return available_strategies()
@@ -471,14 +482,3 @@ def _stop_at_exit(ref) -> None:
 def _as_user_error(error: BaseException) -> UserError:
     """A stage that raised mid-decode fails its request with one line naming the error."""
     return UserError(f"decoding failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-
-
-def engine(overrides: list[str] | tuple[str, ...] = (), **kwargs) -> Engine:
-    """An engine for ``compose(overrides)`` (e.g. ``["model.name=...", "max_batch_size=16"]``), with the
-    config's run plugins (traces) unless ``run_plugins`` is given."""
-    cfg = compose(list(overrides))
-    if "run_plugins" not in kwargs:
-        from mtpflow.runplugins import default_run_plugins
-
-        kwargs["run_plugins"] = default_run_plugins(cfg)
-    return Engine(cfg, **kwargs)
