@@ -1,5 +1,7 @@
-"""``python -m mtpflow [hydra overrides]``: decode one prompt, streaming accepted tokens to the terminal,
-then print a stats table (or one JSON document with ``output=json``). User mistakes exit 2 with one line."""
+"""``python -m mtpflow [hydra overrides]``: decode one prompt (``prompt=``, ``prompt_file=`` or piped on standard
+input), streaming accepted tokens to the terminal, then print a stats table (or one JSON document with
+``output=json``); with no prompt on a terminal, an interactive chat (``mtpflow.chat``). User mistakes exit 2
+with one line."""
 from __future__ import annotations
 
 import json
@@ -9,7 +11,8 @@ import sys
 USAGE = """usage: python -m mtpflow [key=value ...]
 
   strategy=NAME        decoding strategy (python -m mtpflow --strategies lists them)
-  prompt="..."         the request (or prompt_file=PATH); chat=false skips the chat template
+  prompt="..."         the request (or prompt_file=PATH, or piped: echo "..." | python -m mtpflow);
+                       chat=false skips the chat template. No prompt on a terminal: an interactive chat
   max_new_tokens=N     temperature=T top_k=N top_p=P seed=N k=K stop=["..."]
   model.name=ID|PATH   any HF causal LM or .gguf (default: embedded SmolLM2-135M-Instruct)
   output=json          one JSON document (text, token_ids, stats) instead of streaming
@@ -38,6 +41,28 @@ def format_stats(stats: dict) -> str:
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
+def stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (ValueError, OSError):  # closed or detached
+        return False
+
+
+def read_stdin_prompt() -> str:
+    """The whole of standard input as the prompt (``echo "..." | python -m mtpflow``), less the final newline."""
+    from mtpflow.errors import UserError
+
+    try:
+        text = "" if sys.stdin is None else sys.stdin.read()
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else str(exc) or type(exc).__name__
+        raise UserError(f"cannot read the prompt from standard input: {reason}") from None
+    text = text.rstrip("\r\n")
+    if not text.strip():
+        raise UserError("empty prompt: pass prompt=\"...\", prompt_file=PATH or text on standard input")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if any(a in ("-h", "--help") for a in argv):
@@ -53,7 +78,17 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         cfg = compose(argv)
         validate(cfg)
-        prompt = read_prompt(cfg)  # fail on an empty or unreadable prompt before the model loads
+        if cfg.get("prompt") is None and not cfg.get("prompt_file"):
+            if stdin_is_terminal():
+                if cfg.output == "json":
+                    raise UserError("output=json needs a prompt: prompt=\"...\", prompt_file=PATH or text piped "
+                                    "on standard input")
+                from mtpflow.chat import run_chat
+
+                return run_chat(cfg, argv)
+            prompt = read_stdin_prompt()
+        else:
+            prompt = read_prompt(cfg)  # fail on an empty or unreadable prompt before the model loads
         from mtpflow.api import Pipeline
         from mtpflow.runplugins import default_run_plugins
 

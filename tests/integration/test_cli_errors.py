@@ -2,6 +2,7 @@
 possible."""
 from __future__ import annotations
 
+import io
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ CASES = [
     (["top_p=0", "prompt=hi"], "top_p must be"),
     (["top_p=1.5", "prompt=hi"], "top_p must be"),
     (["prompt=   "], "empty prompt"),
-    ([], "empty prompt"),
+    ([], "empty prompt"),  # no prompt= and an empty pipe on standard input
     (["prompt_file=/nonexistent/prompt.txt"], "cannot read prompt_file"),
     (["model.name=/nonexistent/model", "prompt=hi"], "model path not found"),
     (["max_new_tokens=0", "prompt=hi"], "max_new_tokens must be"),
@@ -40,7 +41,8 @@ def test_stop_takes_one_value_or_a_list():
 
 
 @pytest.mark.parametrize("argv,message", CASES, ids=[" ".join(c[0]) or "no-args" for c in CASES])
-def test_user_errors_are_one_line(argv, message, capsys):
+def test_user_errors_are_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("\n"))  # an empty pipe, not a terminal (which opens the chat)
     assert main(argv + ["trace=off"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("mtpflow: error: ") and message in err, err
@@ -59,9 +61,33 @@ def test_directory_as_prompt_file(tmp_path, capsys):
     assert "cannot read prompt_file" in capsys.readouterr().err
 
 
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_json_output_on_a_terminal_needs_a_prompt(capsys, monkeypatch):
+    """No prompt on a terminal opens the chat (tests/integration/test_chat.py), which has no JSON form."""
+    monkeypatch.setattr(sys, "stdin", Terminal())
+    assert main(["output=json", "trace=off"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("mtpflow: error: output=json needs a prompt") and len(err.splitlines()) == 1
+
+
+def test_unreadable_standard_input_is_one_line(capsys, monkeypatch):
+    class Broken(io.StringIO):
+        def read(self, *args):
+            raise OSError("Input/output error")
+
+    monkeypatch.setattr(sys, "stdin", Broken())
+    assert main(["trace=off"]) == 2
+    assert capsys.readouterr().err.strip() == ("mtpflow: error: cannot read the prompt from standard input: "
+                                               "Input/output error")
+
+
 def test_subprocess_exit_code_and_no_traceback():
     proc = subprocess.run([sys.executable, "-m", "mtpflow", "strategy=nope", "prompt=hi"],
-                          capture_output=True, text=True, timeout=120)
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "unknown strategy" in proc.stderr
 

@@ -8,14 +8,12 @@ import subprocess
 import sys
 import time
 import urllib.request
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking"]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 
 
 def wait_for_http(url: str, proc: subprocess.Popen | None, timeout: float) -> None:

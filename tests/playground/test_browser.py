@@ -1,8 +1,10 @@
 """End to end in headless Chromium: a real comparison on the default model through the page, both panes and
-stats filled, a screenshot saved under test-artifacts/, and a past run reopened from the history tab."""
+stats filled, a screenshot saved (in the test's temporary folder, or $MTPFLOW_TEST_ARTIFACTS when set), and a past
+run reopened from the history tab."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -11,12 +13,11 @@ import pytest
 from mtpflow.playground.screenshot import run_comparison
 
 pytestmark = [pytest.mark.browser, pytest.mark.default_model]
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 PROMPT = ("Summarize in one sentence: The quarterly planning meeting has been moved from Tuesday to Thursday at "
           "3 pm because the client asked for more time to review the proposal.")
 
 
-def test_comparison_in_the_browser(playground_url, page):
+def test_comparison_in_the_browser(playground_url, page, tmp_path):
     timings = run_comparison(page, playground_url, PROMPT, "pld", "baseline", max_new_tokens=32)
     assert timings["status"].startswith("done"), timings
     for side in ("a", "b"):
@@ -33,9 +34,10 @@ def test_comparison_in_the_browser(playground_url, page):
     assert "target p =" in page.locator("#pane-a .tok").nth(1).get_attribute("title")
     assert "Speedup of A (pld) over B (baseline)" in page.locator("#speedup").inner_text()
     page.locator("#plot img").wait_for()
-    ARTIFACTS.mkdir(exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
-    (ARTIFACTS / "playground-timing.json").write_text(json.dumps(timings, indent=2))
+    artifacts = Path(os.environ.get("MTPFLOW_TEST_ARTIFACTS") or tmp_path)  # never the repository
+    artifacts.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(artifacts / "playground.png"), full_page=True)
+    (artifacts / "playground-timing.json").write_text(json.dumps(timings, indent=2))
 
     run_a = re.search(r"run (\d+)", page.locator("#stats-a").inner_text()).group(1)
     page.get_by_role("tab", name="History").click()

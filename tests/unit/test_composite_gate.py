@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import TINY_CORPUS, make_pipeline
+from helpers import TINY_CORPUS, hf_greedy, make_pipeline
 from mtpflow.errors import ConfigError, UserError
 from mtpflow.strategies.composite_gate import CompositeConfidenceGate
 from mtpflow.strategies.ngram_stats import BigramTable, tokenizer_fingerprint
@@ -127,6 +127,7 @@ def test_lossy_stats_are_right(tiny, tiny_table):
     differ = sum(e != t for r in steps for e, t in zip(r.emitted, r.target_tokens))
     assert result.stats["mtp_error_propagation_rate"] == pytest.approx(differ / result.stats["new_tokens"], abs=1e-4)
     assert differ > 0  # a low threshold on a random model accepts tokens the target would not pick
+    assert result.token_ids != hf_greedy(tiny.model, ids, 40)  # so the output leaves plain greedy decoding
     assert result.stats["mtp_hit_rate"] == pytest.approx(sum(len(r.emitted) > 1 for r in steps) / len(steps), abs=1e-4)
     assert result.stats["mtp_avg_k_used"] == pytest.approx(sum(r.k for r in steps) / len(steps), abs=1e-4)
     for r in steps:
