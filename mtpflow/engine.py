@@ -290,11 +290,12 @@ class Engine:
         return int(prepared.prompt_ids.numel())
 
     def submit(self, request: Request, *, on_step: StepCallback | None = None, extra_plugins: tuple = (),
-               strategy_config: DictConfig | None = None, keep_steps: bool = False) -> RequestHandle:
+               strategy_config: DictConfig | None = None, keep_steps: bool = False,
+               wait: bool = False) -> RequestHandle:
         """Queue a request; returns at once. Raises UserError for a bad request, QueueFull when the waiting
         queue is at ``max_waiting``, EngineClosed after ``shutdown``. ``keep_steps`` keeps every step's
         record in the result (the playground and tests read them); ``on_step(record, tokens)`` is called in the
-        engine thread after each step."""
+        engine thread after each step. ``wait`` blocks while the queue is full instead of raising QueueFull."""
         prepared, _ = self.prepare(request, strategy_config)
         if self._closing:
             raise EngineClosed("the engine is shutting down and takes no new requests")
@@ -306,7 +307,12 @@ class Engine:
         with self._lock:
             if self._closing:
                 raise EngineClosed("the engine is shutting down and takes no new requests")
-            if len(self._queue) + len(self._running) >= self.max_batch_size + self.max_waiting:
+            full = lambda: len(self._queue) + len(self._running) >= self.max_batch_size + self.max_waiting  # noqa: E731
+            if wait:
+                self._lock.wait_for(lambda: not full() or self._closing)
+                if self._closing:
+                    raise EngineClosed("the engine is shutting down and takes no new requests")
+            if full():
                 raise QueueFull(f"too many requests waiting ({len(self._queue)}); try again shortly")
             self._queue.append(handle)
             self._start_thread()
@@ -316,7 +322,7 @@ class Engine:
     def generate(self, requests: list[Request] | Request) -> list[DecodeResult]:
         """Decode a list of requests together; results in the same order (a failed one raises)."""
         single = isinstance(requests, Request)
-        handles = [self.submit(r) for r in ([requests] if single else requests)]
+        handles = [self.submit(r, wait=True) for r in ([requests] if single else requests)]
         results = [h.result() for h in handles]
         return results[0] if single else results
 
@@ -459,7 +465,9 @@ class Engine:
         return self._batch_costs.best_rows([s.acceptance.value for s in sequences], [d.num_nodes for d in drafts])
 
     def _end(self, seq: Sequence | None, handle: RequestHandle, error: BaseException | None) -> None:
-        self._running = [(s, h) for s, h in self._running if h is not handle]
+        with self._lock:
+            self._running = [(s, h) for s, h in self._running if h is not handle]
+            self._lock.notify_all()  # a submit waiting for room
         interrupted = isinstance(error, KeyboardInterrupt)
         status = INTERRUPTED if interrupted else FAILED if error is not None else COMPLETE
         result = None

@@ -193,6 +193,7 @@ class Sequence:
             keep[:max_nodes] = True
             draft = draft.subset(keep)
             self._pending = (t_step, k, draft, num_proposed, cache_start)
+            self.acceptance.forget_rejections()  # an untried draft: the estimate drifts back, so drafting resumes
         return draft
 
     def verify_alone(self) -> Verification:

@@ -24,7 +24,9 @@ PROMPTS = [
 
 
 def test_mixed_batch_equals_hf_greedy(default_loaded):
-    engine = Engine(compose(["trace=off", "max_new_tokens=32", "max_batch_size=8"]), loaded=default_loaded)
+    # batch_k=off: every strategy drafts as it would alone, so the batch really verifies drafts
+    engine = Engine(compose(["trace=off", "max_new_tokens=32", "max_batch_size=8", "batch_k=off"]),
+                    loaded=default_loaded)
     requests = []
     for i, prompt in enumerate(PROMPTS * 2):
         strategy = ["baseline", "pld", "mtp", "jacobi"][i % 4]

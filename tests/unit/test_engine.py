@@ -16,6 +16,7 @@ from scipy.stats import chi2_contingency
 
 from helpers import OracleTreeProposer, hf_greedy, make_tiny_model, make_tiny_tokenizer
 from mtpflow.config import compose
+from mtpflow.cost_model import BatchCostModel
 from mtpflow.engine import Engine, QueueFull
 from mtpflow.errors import UserError
 from mtpflow.hookspecs import hookimpl
@@ -26,7 +27,9 @@ NEW = 32
 
 
 def make_engine(loaded, *overrides):
-    return Engine(compose(["strategy=pld", "trace=off", f"max_new_tokens={NEW}", *overrides]), loaded=loaded)
+    """batch_k=off: each strategy drafts as it would alone (the batch-aware cap has its own test)."""
+    return Engine(compose(["strategy=pld", "trace=off", f"max_new_tokens={NEW}", "batch_k=off", *overrides]),
+                  loaded=loaded)
 
 
 def random_prompts(n: int, seed: int, vocab: int = 300) -> list[list[int]]:
@@ -83,6 +86,28 @@ def test_batch_result_equals_its_own_batch_one_run(tiny):
     alone = make_engine(tiny, "max_batch_size=1").generate(requests)
     together = make_engine(tiny, "max_batch_size=6").generate(requests)
     assert [r.token_ids for r in alone] == [r.token_ids for r in together]
+
+
+@pytest.mark.parametrize("cheap", [True, False])
+def test_batch_aware_cap_follows_the_cost_model_and_stays_lossless(tiny, cheap):
+    """With drafting nearly free the cap keeps every draft; with every extra row as dear as a whole forward it
+    cuts drafts to nothing (plain steps). Either way the output is HF greedy."""
+    engine = make_engine(tiny, "max_batch_size=4")
+    engine.batch_k = "auto"
+    grid = {(b, q): (1.0 + (0.001 if cheap else 1.0) * b * (q - 1)) for b in (1, 4, 16) for q in (1, 3, 9, 17)}
+    engine._batch_costs = BatchCostModel(grid)
+    prompt = random_prompts(1, seed=6)[0]  # the same request four times: they run every step together
+    reference = hf_greedy(tiny.model, prompt, NEW)
+    oracles = [OracleTreeProposer(reference, len(tiny.tokenizer), seed=i, wrong_rate=0.1, branch=1) for i in range(4)]
+    with engine._lock:  # the engine thread waits until all four are queued: they start in the same step
+        handles = [(engine.submit(Request(prompt_ids=prompt, strategy="baseline", overrides={"k": 4}),
+                                  extra_plugins=(oracle,)), reference) for oracle in oracles]
+    drafted = 0
+    for handle, reference in handles:
+        result = handle.result()
+        assert result.token_ids == reference
+        drafted += result.stats["draft_tokens"]
+    assert (drafted > 0) == cheap
 
 
 class FailsAtStep:
