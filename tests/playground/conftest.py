@@ -44,7 +44,7 @@ def playground(tmp_path_factory):
                                  "256", f"trace.db={db}"], stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}/"
     try:
-        wait_for_http(url, proc, timeout=180)
+        wait_for_http(url, proc, timeout=600)  # a fresh measurement cache times the CPU linear plans first
         yield SimpleNamespace(url=url, db=db, log=log)
     except RuntimeError as exc:
         pytest.fail(f"{exc}; server log:\n{log.read_text()[-3000:]}")
