@@ -5,6 +5,7 @@ speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG c
     python -m mtpflow.bench strategies=[baseline,pld,jacobi] max_new_tokens=128
     python -m mtpflow.bench mode=cost            # per-forward cost of the verify pass for K = 0..16
     python -m mtpflow.bench mode=batch strategies=[baseline,pld,mtp]   # engine vs HF batched, batch 1..16
+    python -m mtpflow.bench mode=serve           # python -m mtpflow.serve under 1/4/8/16 clients
 """
 from __future__ import annotations
 
@@ -276,7 +277,7 @@ def check_options(opts) -> None:
     from omegaconf import ListConfig
 
     if opts.mode not in ("decode", "cost", "batch"):
-        raise UserError(f"mode must be decode, cost or batch, got {opts.mode!r}")
+        raise UserError(f"mode must be decode, cost, batch or serve, got {opts.mode!r}")
     for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k"):
         value = opts[name]
         if value is not None and not isinstance(value, ListConfig):
@@ -297,6 +298,10 @@ def check_options(opts) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "mode=serve" in argv:  # the server load benchmark has options of its own
+        from mtpflow.bench_serve import main as serve_main
+
+        return serve_main(argv)
     try:
         opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
     except Exception as exc:

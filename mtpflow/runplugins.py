@@ -11,10 +11,8 @@ def default_run_plugins(cfg: DictConfig) -> tuple:
     trace = cfg.get("trace")
     if trace is not None and trace.get("enabled", False):
         # Opening the store here (before the model loads) turns a corrupt file or an unwritable folder
-        # into one UserError line up front.
-        from mtpflow.traces.recorder import recorder_factory
-        from mtpflow.traces.store import TraceStore
+        # into one UserError line up front; trace.sample and trace.retention apply to every run plugin user.
+        from mtpflow.traces.recorder import recorder_from_config
 
-        store = TraceStore(trace.get("db"), busy_timeout_seconds=float(trace.get("busy_timeout_seconds", 30.0)))
-        factories.append(recorder_factory(store, flush_seconds=float(trace.get("flush_seconds", 1.0))))
+        factories.append(recorder_from_config(trace))
     return tuple(factories)

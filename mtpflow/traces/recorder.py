@@ -3,6 +3,10 @@
 It listens on on_run_start / on_step_end / on_run_end, plus a pluggy wrapper around ``prune`` to see the
 nodes the pruners dropped (the step record only holds the kept ones). Rows are buffered in memory and
 written in one transaction every ``flush_seconds``, and at the end of the run whatever its status.
+
+``trace.sample`` is the share of runs whose per-token events are written (chosen from the run id, so the same
+runs are sampled on every replay of a database); run rows and steps, which the metrics are computed from,
+are always written. ``trace.retention`` caps the database (``mtpflow.traces.retention``).
 """
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mtpflow.errors import check_range
 from mtpflow.hookspecs import hookimpl
 from mtpflow.traces.store import RUNNING, TraceStore
 from mtpflow.types import ACCEPTED, BONUS, PLAIN, PRUNED, REJECTED, DecodeResult, StepRecord
@@ -34,6 +39,16 @@ def _floats(t: torch.Tensor | None) -> list[float | None] | None:
     return None if t is None else [float(x) for x in t.detach().float().cpu().tolist()]
 
 
+def events_sampled(run_id: int, rate: float) -> bool:
+    """Whether run ``run_id`` keeps its token events at sampling ``rate``: Fibonacci hashing of the id spreads
+    consecutive runs evenly, so any window of runs holds close to ``rate`` of them."""
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    return ((int(run_id) * 0x9E3779B1) & 0xFFFFFFFF) / 2.0 ** 32 < rate
+
+
 def _close_under_ancestors(keep: list[bool], parents: list[int]) -> list[bool]:
     keep = list(keep)
     for i, p in enumerate(parents):
@@ -45,11 +60,14 @@ def _close_under_ancestors(keep: list[bool], parents: list[int]) -> list[bool]:
 class TraceRecorder:
     """Records one run (a new recorder per run, sharing the store)."""
 
-    def __init__(self, store: TraceStore, flush_seconds: float = 1.0):
+    def __init__(self, store: TraceStore, flush_seconds: float = 1.0, sample: float = 1.0, retention=None):
         self.store = store
         self.flush_seconds = float(flush_seconds)
+        self.sample = float(sample)
+        self.retention = retention  # a TraceRetention told when the run's rows are written, or None
         self.run_id: int | None = None
         self.disabled = False
+        self.sampled = True  # this run's token events are recorded (decided at run start from trace.sample)
         self._steps: list[dict] = []
         self._events: list[dict] = []
         self._last_flush = 0.0
@@ -71,12 +89,13 @@ class TraceRecorder:
             self._give_up(exc)
             return None
         self._last_flush = time.perf_counter()
+        self.sampled = events_sampled(self.run_id, self.sample)
         return {"trace_run_id": self.run_id}
 
     @hookimpl(wrapper=True)
     def prune(self, state, draft):
         masks = yield
-        if not self.disabled:
+        if not self.disabled and self.sampled:
             n = draft.num_nodes
             keep = [True] * n
             for m in masks or ():
@@ -90,7 +109,7 @@ class TraceRecorder:
         if self.disabled or self.run_id is None:
             return
         pre_prune, self._pre_prune = self._pre_prune, None
-        if not self._first_token_recorded:
+        if not self._first_token_recorded and self.sampled:
             state = record.state
             self._first_token(int(state.tokens[state.prompt_len]))
         self._record_step(record, pre_prune)
@@ -103,15 +122,20 @@ class TraceRecorder:
             result.run_id = self.run_id  # also when recording stopped: the run row exists
         if self.disabled or self.run_id is None:
             return
-        if not self._first_token_recorded and result.token_ids:
+        if not self._first_token_recorded and result.token_ids and self.sampled:
             self._first_token(int(result.token_ids[0]))
         try:
             self._fill_texts(self._events)
-            self.store.finish_run(self.run_id, status, output_text=result.text, stats=dict(result.stats),
+            stats = dict(result.stats)
+            if not self.sampled:
+                stats["trace_events_sampled"] = False  # tells the viewers why a run has steps but no tokens
+            self.store.finish_run(self.run_id, status, output_text=result.text, stats=stats,
                                   steps=self._steps, events=self._events)
         except Exception as exc:
             self._give_up(exc)
         self._steps, self._events = [], []
+        if self.retention is not None:
+            self.retention.run_finished()
 
     # ----- building rows -----------------------------------------------------------------------------------
     def _first_token(self, token: int) -> None:
@@ -136,6 +160,8 @@ class TraceRecorder:
             accepted_length=len(path), num_emitted=n_emit, bonus=bonus, forward_seconds=r.forward_seconds,
             step_seconds=r.step_seconds, time_since_start=r.time_since_start,
             stage_seconds=json.dumps({k: round(v, 6) for k, v in r.stage_seconds.items()})))
+        if not self.sampled:
+            return
         events = self._events
 
         # original (pre-pruning) node index of each kept node, and the pruned nodes themselves
@@ -215,14 +241,29 @@ class TraceRecorder:
               f"the decode continues", file=sys.stderr)
 
 
-def recorder_factory(store: TraceStore, flush_seconds: float = 1.0):
+def recorder_factory(store: TraceStore, flush_seconds: float = 1.0, sample: float = 1.0, retention=None):
     """A run-plugin factory ``f(pipeline) -> TraceRecorder`` sharing one store (see ``default_run_plugins``)."""
+    sample = float(check_range("trace.sample", sample, 0, 1))
 
     def make(_pipeline=None) -> TraceRecorder:
-        return TraceRecorder(store, flush_seconds=flush_seconds)
+        return TraceRecorder(store, flush_seconds=flush_seconds, sample=sample, retention=retention)
 
     make.store = store  # lets the playground and the benchmark find the database
+    make.retention = retention  # the server runs it in a thread (TraceRetention.start)
     return make
 
 
-__all__ = ["TraceRecorder", "recorder_factory", "GATED", "RUNNING"]
+def recorder_from_config(trace_cfg, store: TraceStore | None = None):
+    """The recorder factory for a ``trace`` config node (db, flush_seconds, busy_timeout_seconds, sample,
+    retention); ``store`` reuses one already open. Bad values are one ConfigError line."""
+    from mtpflow.traces.retention import retention_from_config
+
+    if store is None:
+        store = TraceStore(trace_cfg.get("db"), busy_timeout_seconds=float(trace_cfg.get("busy_timeout_seconds", 30.0)))
+    sample = trace_cfg.get("sample", 1.0)
+    return recorder_factory(store, flush_seconds=float(trace_cfg.get("flush_seconds", 1.0)),
+                            sample=1.0 if sample is None else sample,
+                            retention=retention_from_config(store, trace_cfg))
+
+
+__all__ = ["TraceRecorder", "recorder_factory", "recorder_from_config", "events_sampled", "GATED", "RUNNING"]

@@ -10,13 +10,15 @@ import json
 import os
 import socket
 import sqlite3
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from sqlalchemy import (
-    Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine, event, func, insert, select, update,
+    Boolean, Float, ForeignKey, Index, Integer, String, Text, create_engine, delete, event, func, insert, select,
+    update,
 )
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.exc import DBAPIError
@@ -136,6 +138,10 @@ class TraceStore:
     def __init__(self, path: str | os.PathLike | None = None, busy_timeout_seconds: float = 30.0):
         self.path = Path(os.path.expanduser(str(path))) if path else default_db_path()
         self.busy_timeout_seconds = float(busy_timeout_seconds)
+        # Size the write-ahead log may keep between checkpoints (SQLite's default autocheckpoint is 4 MiB);
+        # retention lowers it for small caps. Applied to each pooled connection at its next checkout.
+        self.wal_limit_bytes = 4 << 20
+        self._write_lock = threading.RLock()
         self._check_path()
         self.engine = self._make_engine()
         self._write_engine = self.engine.execution_options(sqlite_begin="IMMEDIATE")
@@ -196,6 +202,16 @@ class TraceStore:
             cur.execute("PRAGMA foreign_keys = ON")
             cur.close()
 
+        @event.listens_for(engine, "checkout")
+        def _on_checkout(dbapi_conn, record, _proxy):
+            limit = int(self.wal_limit_bytes)
+            if record.info.get("wal_limit_bytes") != limit:
+                cur = dbapi_conn.cursor()
+                cur.execute(f"PRAGMA journal_size_limit = {limit}")  # the log file is cut back to this size
+                cur.execute(f"PRAGMA wal_autocheckpoint = {max(16, limit // 4096)}")  # pages
+                cur.close()
+                record.info["wal_limit_bytes"] = limit
+
         @event.listens_for(engine, "begin")
         def _on_begin(conn):
             conn.exec_driver_sql("BEGIN " + conn.get_execution_options().get("sqlite_begin", "DEFERRED"))
@@ -236,8 +252,10 @@ class TraceStore:
     # ----- writing -------------------------------------------------------------------------------------
     @contextmanager
     def _write(self) -> Iterator[Session]:
-        """A write transaction that holds SQLite's write lock from its first statement."""
-        with Session(self._write_engine) as session, session.begin():
+        """A write transaction that holds SQLite's write lock from its first statement. This process's writers
+        also take turns on a Python lock (SQLite admits one writer at a time anyway), so a checkpoint taken
+        under it never waits for a writer of this process."""
+        with self._write_lock, Session(self._write_engine) as session, session.begin():
             yield session
 
     def start_run(self, *, strategy: str, config: dict, model_id: str, prompt: str, prompt_tokens: int,
@@ -271,6 +289,71 @@ class TraceStore:
             s.execute(update(Run).where(Run.id == run_id).values(
                 status=status, finished_at=time.time(), output_text=output_text,
                 stats=None if stats is None else json.dumps(stats, default=str)))
+
+    # ----- retention (mtpflow.traces.retention decides what to delete) -------------------------------------
+    def file_bytes(self) -> int:
+        """Bytes on disk: the database file plus its write-ahead log."""
+        total = 0
+        for suffix in ("", "-wal"):
+            try:
+                total += os.path.getsize(f"{self.path}{suffix}")
+            except OSError:
+                pass
+        return total
+
+    def used_bytes(self) -> int:
+        """Bytes in live pages. Deleting runs frees pages that later writes reuse, so the file stops growing
+        once deletions keep pace, without a VACUUM (which would rewrite the whole file under a write lock)."""
+        with self.engine.connect() as conn:
+            page_size, pages, free = (conn.exec_driver_sql(f"PRAGMA {p}").scalar()
+                                      for p in ("page_size", "page_count", "freelist_count"))
+        return int((pages - free) * page_size)
+
+    def finished_run_ids(self, limit: int, started_before: float | None = None) -> list[int]:
+        """The oldest runs that are no longer running (a running run is never deleted under its writer)."""
+        q = select(Run.id).where(Run.status != RUNNING)
+        if started_before is not None:
+            q = q.where(Run.started_at < started_before)
+        with self.engine.connect() as conn:
+            return [int(r) for r in conn.execute(q.order_by(Run.id).limit(int(limit))).scalars()]
+
+    def delete_runs(self, run_ids: list[int]) -> int:
+        """Delete runs with their steps and token events, in one transaction (children first, so it does not
+        depend on the connection's foreign-key setting)."""
+        if not run_ids:
+            return 0
+        ids = [int(i) for i in run_ids]
+        with self._write() as s:
+            s.execute(delete(TokenEvent).where(TokenEvent.run_id.in_(ids)))
+            s.execute(delete(Step).where(Step.run_id.in_(ids)))
+            return int(s.execute(delete(Run).where(Run.id.in_(ids))).rowcount or 0)
+
+    def checkpoint(self, mode: str = "PASSIVE", wait_seconds: float | None = None) -> bool:
+        """Copy the write-ahead log into the database. PASSIVE never waits (the next writer restarts the log,
+        cut to ``wal_limit_bytes``, once no reader still uses it); TRUNCATE waits for readers and writers, at
+        most ``wait_seconds`` (default: the busy timeout), and empties the file. False when the log could not
+        be copied whole (it is tried again next time)."""
+        if mode not in ("PASSIVE", "FULL", "RESTART", "TRUNCATE"):
+            raise ValueError(mode)
+        with self._write_lock:
+            return self._checkpoint(mode, wait_seconds)
+
+    def _checkpoint(self, mode: str, wait_seconds: float | None) -> bool:
+        raw = self.engine.raw_connection()  # outside a transaction: SQLAlchemy would open one first
+        cur = raw.cursor()
+        try:
+            if wait_seconds is not None:
+                cur.execute(f"PRAGMA busy_timeout = {int(wait_seconds * 1000)}")
+            busy = cur.execute(f"PRAGMA wal_checkpoint({mode})").fetchone()[0]
+        finally:
+            if wait_seconds is not None:
+                cur.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_seconds * 1000)}")
+            raw.close()
+        return not busy
+
+    def integrity_check(self) -> str:
+        with self.engine.connect() as conn:
+            return str(conn.exec_driver_sql("PRAGMA integrity_check").scalar())
 
     # ----- reading (the CLI and the playground) ---------------------------------------------------------
     def list_runs(self, limit: int = 50) -> list[dict]:

@@ -1,0 +1,42 @@
+"""``python -m mtpflow.bench mode=serve`` (``mtpflow.bench_serve``): options checked before anything starts, and
+a small run against a real server process on the tiny model writes its table, CSV and PNG."""
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from mtpflow.bench_serve import main, percentile
+from server_process import save_tiny_model
+
+
+@pytest.mark.parametrize("args,message", [
+    (["concurrency=[0]"], "concurrency"),
+    (["requests=0"], "requests"),
+    (["strategies=[warp]"], "unknown strategy"),
+    (["strategies=[]"], "strategies"),
+    (["concurency=[1]"], "unknown option"),
+])
+def test_options_are_checked_first(args, message, tmp_path, capsys):
+    assert main(["mode=serve", f"out={tmp_path}", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_percentile():
+    assert percentile([3, 1, 2], 0.5) == 2 and percentile([1, 2], 0.95) == pytest.approx(1.95)
+
+
+def test_small_run_writes_csv_and_png(tmp_path, capsys):
+    folder = save_tiny_model(tmp_path / "tiny")
+    out = tmp_path / "out"
+    args = ["mode=serve", f"model={folder}", "strategies=[baseline,pld]", "concurrency=[1,2]", "requests=2",
+            "max_new_tokens=4", "limit=1", f"out={out}"]
+    assert main(args) == 0, capsys.readouterr().err[-2000:]
+    table = pd.read_csv(out / "serve_bench.csv")
+    assert list(table["strategy"]) == ["baseline", "baseline", "pld", "pld"]
+    assert list(table["concurrency"]) == [1, 2, 1, 2]
+    assert (table["output_tokens"] == 8).all() and (table["identical"] == "2/2").all()
+    for column in ("requests_per_s", "output_tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "latency_p50_ms",
+                   "latency_p95_ms"):
+        assert (table[column] > 0).all()
+    assert (out / "serve_bench.png").stat().st_size > 0
