@@ -13,6 +13,7 @@ import torch
 
 from mtpflow.errors import ConfigError, UserError
 from mtpflow.hookspecs import hookimpl
+from mtpflow.strategies.graft import graft_tree
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
 )
@@ -20,10 +21,9 @@ from mtpflow.strategies.k_selectors import check_k
 from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
 from mtpflow.types import DecodeState, Draft, StepRecord
 
-
 def shipped_heads(model_name: str | None, kind: str) -> Path | None:
     """The heads shipped in ``mtpflow/data/heads/<model>/<kind>`` for a model config name, if any."""
-    from mtpflow.train_heads import model_slug
+    from mtpflow.model import model_slug
 
     folder = Path(str(resources.files("mtpflow.data"))) / "heads" / model_slug(model_name) / kind
     return folder if (folder / CONFIG_NAME).exists() else None
@@ -110,6 +110,12 @@ def graft_chain(draft: Draft, chain: list[int], acceptance: float) -> Draft:
                          "calibrated": torch.tensor(lookup, dtype=torch.float32)})
 
 
+def _graft_options(name: str, options) -> dict:
+    if not hasattr(options, "items"):
+        raise ConfigError(f"strategy.propose.{name} must be null or a mapping, got {options!r}")
+    return dict(options)
+
+
 class MTPHeadsProposer:
     """Drafts a tree with trained heads. ``kind``: medusa or eagle; ``top_k``: candidates per node;
     ``max_nodes``: tree size before pruning; ``branch`` (eagle): nodes expanded per depth.
@@ -123,10 +129,16 @@ class MTPHeadsProposer:
 
     ``adaptive_depth``: draft at most one position deeper than the deepest head node the pruner kept in the
     previous step. When the cost budget keeps short trees (a CPU, an unsure drafter) this skips EAGLE layer
-    passes whose nodes would be cut anyway; the tree grows back one level per step when they survive."""
+    passes whose nodes would be cut anyway; the tree grows back one level per step when they survive.
+
+    ``recycling`` (null = off, or the options of ``TokenRecyclingProposer``) grafts a token-recycling tree (the
+    target's own top-k candidates from earlier verify forwards) and ``suffix`` (null = off, or the options of
+    ``SuffixDrafter``) a suffix-cache tree (this request's text and earlier outputs of the engine); both mark
+    their nodes calibrated with learned acceptance estimates as PFS, like the lookup chain."""
 
     def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
-                 branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True):
+                 branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True,
+                 recycling=None, suffix=None):
         if kind not in ("medusa", "eagle"):
             raise ConfigError(f"strategy.propose.kind must be medusa or eagle, got {kind!r}")
         self.kind, self.heads_path = kind, heads
@@ -160,6 +172,15 @@ class MTPHeadsProposer:
             self.lookup_acceptance = lookup_acceptance(lo, hi, memory=0.9)
         self._lookup_n: int | None = None
         self.lookup_steps = self.lookup_accepted = 0
+        self.recycling = self.suffix = None
+        if recycling is not None:
+            from mtpflow.strategies.token_recycling import TokenRecyclingProposer
+
+            self.recycling = TokenRecyclingProposer(**_graft_options("recycling", recycling))
+        if suffix is not None:
+            from mtpflow.strategies.suffix import SuffixDrafter
+
+            self.suffix = SuffixDrafter(where="strategy.propose.suffix", **_graft_options("suffix", suffix))
 
     @hookimpl
     def on_run_start(self, context):
@@ -175,7 +196,12 @@ class MTPHeadsProposer:
         self.embed = model.get_input_embeddings()
         self.device = device
         self._reset_cache()
-        return {"heads": str(folder), "heads_kind": self.kind}
+        facts = {"heads": str(folder), "heads_kind": self.kind}
+        if self.recycling is not None:
+            facts.update(self.recycling.on_run_start(context) or {})
+        if self.suffix is not None:
+            facts.update(self.suffix.start(context))
+        return facts
 
     def _reset_cache(self):
         self.keys = self.values = None  # EAGLE: [n, heads, head_dim] of committed positions (last window)
@@ -200,12 +226,26 @@ class MTPHeadsProposer:
             n, follow = longest_ngram_match(state.proposer_context(), lo, hi, min(longest, k))
             if n is not None:
                 self._lookup_n = n
-                return graft_chain(draft, follow.tolist(), min(self.lookup_acceptance[n].value, 0.99))
+                draft = graft_chain(draft, follow.tolist(), min(self.lookup_acceptance[n].value, 0.99))
+        if self.recycling is not None:
+            from mtpflow.strategies.token_recycling import MARK as RECYCLED
+
+            tokens, parents, _, pfs, nodes = self.recycling.tree(state, k)
+            draft = graft_tree(draft, tokens, parents, pfs, "recycled", extra={RECYCLED: [j + 1.0 for j in nodes]})
+        if self.suffix is not None:
+            from mtpflow.strategies.suffix import MARK as SUFFIX
+
+            tokens, parents, _, pfs, _ = self.suffix.tree(state, k)
+            draft = graft_tree(draft, tokens, parents, pfs, SUFFIX)
         return draft
 
     @hookimpl
     def on_step_end(self, record: StepRecord) -> None:
         """Set the next step's depth limit; learn how often grafted lookup tokens are accepted."""
+        if self.recycling is not None:
+            self.recycling.learn(record)
+        if self.suffix is not None:
+            self.suffix.learn(record)
         draft = record.draft
         if self.adaptive_depth and record.num_proposed:
             heads = draft.scores.get("grafted")
@@ -233,9 +273,19 @@ class MTPHeadsProposer:
 
     @hookimpl
     def run_stats(self):
-        if self.lookup is None:
-            return None
-        return {"lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted}
+        stats = {}
+        if self.lookup is not None:
+            stats.update({"lookup_steps": self.lookup_steps, "lookup_accepted": self.lookup_accepted})
+        if self.recycling is not None:
+            stats.update(self.recycling.run_stats())
+        if self.suffix is not None:
+            stats.update(self.suffix.counts)
+        return stats or None
+
+    @hookimpl
+    def on_run_end(self, result, status) -> None:
+        if self.suffix is not None:
+            self.suffix.finish(result, status)
 
     def _draft(self, tokens, parents, node_p, path_p, entropy) -> Draft:
         return Draft(
