@@ -165,7 +165,9 @@ class PlaygroundBackend:
     def __init__(self, base_overrides: tuple[str, ...] = (), loaded=None, max_tokens_cap: int = 1024):
         self.base_overrides = tuple(base_overrides)
         self.max_tokens_cap = max_tokens_cap
-        base = compose(list(self.base_overrides))
+        # batch_k=off: A and B share a batch, yet each side drafts as its strategy would alone, so the comparison
+        # shows the strategies and not the engine's batch-wide draft cap (a visitor's override still wins)
+        base = compose(["batch_k=off", *self.base_overrides])
         m = base.model
         self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
         self.defaults = base

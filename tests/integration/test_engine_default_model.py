@@ -34,12 +34,15 @@ def test_mixed_batch_equals_hf_greedy(default_loaded):
     sampled = Request(prompt=PROMPTS[3], strategy="sampling", temperature=0.8, seed=3)
     handles = [engine.submit(r) for r in requests] + [engine.submit(sampled)]
     results = [h.result() for h in handles]
-    accepted = 0
+    accepted, drafting = 0, 0
     for request, result in zip(requests, results):
         ids = engine.prepare(request)[0].prompt_ids.tolist()
         assert result.token_ids == hf_greedy(default_loaded.model, ids, request.max_new_tokens), request.strategy
         accepted += result.stats["accepted_tokens"]
-    assert accepted > 10  # drafts were accepted inside the batch
+        drafting += result.stats["accepted_tokens"] > 0
+    # drafts were accepted inside the batch, by more than one request (how many depends on the verify costs
+    # this machine measured, which PFS and the K selectors prune against)
+    assert accepted > 0 and drafting >= 2
     assert results[-1].stats["new_tokens"] > 0
 
 

@@ -191,7 +191,13 @@ def test_stream_threads_and_asyncio(tiny):
         b = await engine.submit(Request(prompt_ids=prompts[5])).aresult()
         return "".join(pieces), b
 
-    text, result = asyncio.run(both())
+    # in a thread of its own: a test run earlier in the session (Playwright's sync API) may have left an event
+    # loop running in the main thread, where asyncio.run refuses to start
+    box = {}
+    runner = threading.Thread(target=lambda: box.update(out=asyncio.run(both())))
+    runner.start()
+    runner.join(120)
+    text, result = box["out"]
     assert result.token_ids == hf_greedy(tiny.model, prompts[5], NEW)
     assert text == tiny.tokenizer.decode(hf_greedy(tiny.model, prompts[4], NEW), skip_special_tokens=True)
 
@@ -234,7 +240,8 @@ def test_sampling_in_a_batch_keeps_the_target_distribution():
     loaded = LoadedModel(model, make_tiny_tokenizer(), "tiny-8", torch.device("cpu"), torch.float32, 1024, (-1,))
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n = 300
-    engine = Engine(compose(["strategy=baseline", "trace=off", "max_batch_size=16"]), loaded=loaded)
+    # batch_k=off: the batch-wide draft cap (measured costs of this machine) would cut drafts at batch 16
+    engine = Engine(compose(["strategy=baseline", "trace=off", "max_batch_size=16", "batch_k=off"]), loaded=loaded)
     tables = []
     for strategy, overrides in (("baseline", {}), ("sampling", {"propose.min_ngram": 1, "propose.costs": None})):
         requests = [Request(prompt_ids=prompt, strategy=strategy, overrides=overrides, temperature=1.0, seed=seed,
