@@ -23,11 +23,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import make_pipeline  # noqa: E402
 
-from mtpflow.bench import load_prompt_suite  # noqa: E402
-from mtpflow.head_data import generated_tokens as tokens, load_shards  # noqa: E402
+from mtpflow.tools.bench import load_prompt_suite  # noqa: E402
+from mtpflow.tools.head_data import generated_tokens as tokens, load_shards  # noqa: E402
 from mtpflow.model import load_model  # noqa: E402
 from mtpflow.strategies.head_modules import draft_index, save_heads  # noqa: E402
-from mtpflow.train_heads import compose, data_folder, pick_draft_vocab, split_by_prompt, train_eagle  # noqa: E402
+from mtpflow.tools.train_heads import compose, data_folder, pick_draft_vocab, split_by_prompt, train_eagle  # noqa: E402
 
 limit = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 fractions = [float(f) for f in sys.argv[2].split(",")] if len(sys.argv) > 2 else [0.125, 0.25, 0.5, 1.0]

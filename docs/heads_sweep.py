@@ -3,7 +3,7 @@ import sys, time, json, torch
 sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parent.parent / 'tests'))
 from helpers import make_pipeline
 from mtpflow.model import load_model
-from mtpflow.bench import load_prompt_suite
+from mtpflow.tools.bench import load_prompt_suite
 L = load_model('smollm2')
 rows = load_prompt_suite(limit=1)
 n = int(sys.argv[1])

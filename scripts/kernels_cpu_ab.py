@@ -44,7 +44,7 @@ def main() -> None:
         micro()
         return
     from mtpflow.api import pipeline
-    from mtpflow.bench import load_prompt_suite
+    from mtpflow.tools.bench import load_prompt_suite
 
     suite = load_prompt_suite(limit=args.limit)
     common = [f"max_new_tokens={args.max_new_tokens}", "kernels=torch"]

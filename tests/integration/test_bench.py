@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import make_tiny_model, make_tiny_tokenizer
-from mtpflow import bench
+from mtpflow.tools import bench
 from mtpflow.errors import UserError
 
 

@@ -1,11 +1,11 @@
-"""``python -m mtpflow.bench mode=serve`` (``mtpflow.bench_serve``): options checked before anything starts, and
+"""``python -m mtpflow.bench mode=serve`` (``mtpflow.tools.bench_serve``): options checked before anything starts, and
 a small run against a real server process on the tiny model writes its table, CSV and PNG."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
-from mtpflow.bench_serve import main, percentile
+from mtpflow.tools.bench_serve import main, percentile
 from server_process import save_tiny_model
 
 

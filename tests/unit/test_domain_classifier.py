@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mtpflow.domain_prompts import DOMAINS, load_prompts
+from mtpflow.tools.domain_prompts import DOMAINS, load_prompts
 from mtpflow.errors import ConfigError
 from mtpflow.strategies.domain import (CHARS_PER_TOKEN_BOUND, DEFAULT_K_MAP, DomainAwareK, load_classifier,
                                       request_text)

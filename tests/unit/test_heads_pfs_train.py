@@ -79,7 +79,7 @@ def test_best_first_tree_takes_most_probable_paths():
 def test_training_smoke_on_tiny(tmp_path):
     """A few steps of data generation and training on a tiny model; the saved heads load and decode
     token-identically to HF greedy."""
-    from mtpflow.train_heads import compose, run
+    from mtpflow.tools.train_heads import compose, run
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["the quick brown fox", "def add(a, b):"]))
@@ -103,7 +103,7 @@ def test_data_only_run_unwritable_folders_and_short_runs(tmp_path, capsys):
     or data folder that cannot be written is a one-line error before the model writes any text; short runs
     train."""
     from mtpflow.errors import UserError
-    from mtpflow.train_heads import compose, main, run
+    from mtpflow.tools.train_heads import compose, main, run
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "the quick brown fox"}) + "\n")
@@ -147,7 +147,7 @@ def test_data_only_run_unwritable_folders_and_short_runs(tmp_path, capsys):
 def test_training_settings_are_checked_before_any_work(tmp_path, override, message):
     """Each bad setting is a ConfigError naming it, raised before the data folder is even created (these were
     tracebacks from the optimiser or torch, some after the model had written its text)."""
-    from mtpflow.train_heads import compose, run
+    from mtpflow.tools.train_heads import compose, run
 
     with pytest.raises(ConfigError, match=message):
         run(compose([override, f"data.folder={tmp_path / 'data'}", f"out={tmp_path / 'heads'}"]),
@@ -158,7 +158,7 @@ def test_training_settings_are_checked_before_any_work(tmp_path, override, messa
 def test_held_out_split_is_by_prompt():
     """Every prompt is sampled several times (greedy and at temperature): the held-out sequences must come
     from prompts the heads never trained on, or the held-out accuracy measures memorisation."""
-    from mtpflow.train_heads import split_by_prompt
+    from mtpflow.tools.train_heads import split_by_prompt
 
     records = [{"tokens": torch.tensor([p, p + 1, 100 + s]), "prompt_len": 2} for p in range(20) for s in range(3)]
     held, train = split_by_prompt(records, 0.1, seed=0)
@@ -170,7 +170,7 @@ def test_held_out_split_is_by_prompt():
 
 
 def test_checkpoint_keeps_the_best_weights():
-    from mtpflow.train_heads import Checkpoint
+    from mtpflow.tools.train_heads import Checkpoint
 
     layer = torch.nn.Linear(2, 1)
     best = Checkpoint(layer)
@@ -185,8 +185,8 @@ def test_checkpoint_keeps_the_best_weights():
 
 def test_bad_training_settings_and_prompt_files(tmp_path):
     from mtpflow.errors import UserError
-    from mtpflow.head_data import load_prompts
-    from mtpflow.train_heads import compose, run
+    from mtpflow.tools.head_data import load_prompts
+    from mtpflow.tools.train_heads import compose, run
 
     with pytest.raises(ConfigError, match="eval_every"):
         run(compose(["medusa.eval_every=0"]), loaded=tiny_loaded(seed=0))
@@ -205,7 +205,7 @@ def test_length_buckets_group_similar_prompts_and_keep_every_one():
     length cuts the padding, while every prompt is still sampled exactly once and the split is reproducible
     (a resumed run must rebuild the same batches)."""
     from mtpflow.errors import UserError
-    from mtpflow.head_data import length_buckets
+    from mtpflow.tools.head_data import length_buckets
 
     g = torch.Generator().manual_seed(0)
     prompts = [list(range(int(n))) for n in torch.randint(1, 200, (70,), generator=g)]

@@ -34,7 +34,7 @@ def load_prompts(path: str | None = None) -> list[str]:
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{p}: every line must be a JSON object with a 'prompt' or 'text' field") from None
     else:
-        from mtpflow import domain_prompts
+        from mtpflow.tools import domain_prompts
 
         heads = resources.files("mtpflow.data").joinpath("head_train_prompts.jsonl").read_text(encoding="utf-8")
         prompts = _read_prompts(heads) + [r["text"] for r in domain_prompts.load_prompts()]

@@ -3,7 +3,7 @@
 typos, greetings), drops near-duplicates and splits train / held-out by source group, so a held-out prompt
 never shares a template with a training prompt.
 
-    python -m mtpflow.domain_prompts      # rewrites mtpflow/data/domain_prompts.jsonl
+    python -m mtpflow.tools.domain_prompts      # rewrites mtpflow/data/domain_prompts.jsonl
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from importlib import resources
 from pathlib import Path
 
 DOMAINS = ("finance", "education", "healthcare", "code", "general")
-SOURCE_DIR = Path(__file__).resolve().parent / "data" / "domain_sources"
-OUTPUT = Path(__file__).resolve().parent / "data" / "domain_prompts.jsonl"
+SOURCE_DIR = Path(__file__).resolve().parents[1] / "data" / "domain_sources"
+OUTPUT = Path(__file__).resolve().parents[1] / "data" / "domain_prompts.jsonl"
 HELDOUT_SHARE = 0.2
 NEAR_DUPLICATE_JACCARD = 0.8  # character 5-gram overlap above which two prompts count as the same request
 SEED = 20260

@@ -2,7 +2,7 @@
 process on one loaded model, alternating which goes first, plus the time spent inside the recorder's hooks.
 Wall time and process CPU time are both reported: on a shared machine the CPU-time ratio is the steadier one.
 
-    python -m mtpflow.traces.overhead strategies=[pld,jacobi] limit=2 max_new_tokens=128
+    python -m mtpflow.tools.trace_overhead strategies=[pld,jacobi] limit=2 max_new_tokens=128
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def measure(strategies, limit: int, max_new_tokens: int, db: str, repeats: int =
     from tqdm import tqdm
 
     from mtpflow.api import Pipeline
-    from mtpflow.bench import load_prompt_suite
+    from mtpflow.tools.bench import load_prompt_suite
     from mtpflow.config import compose
     from mtpflow.runplugins import default_run_plugins
 

@@ -224,7 +224,7 @@ def main(argv: list[str]) -> int:
     try:
         check_options(opts)
         writable_folder(out)
-        from mtpflow.bench import load_prompt_suite
+        from mtpflow.tools.bench import load_prompt_suite
 
         prompts = [r["prompt"] for r in load_prompt_suite(opts.prompts, opts.classes, int(opts.limit))]
         if not prompts:

@@ -1,0 +1,365 @@
+"""Train draft heads for any Hugging Face causal LM by self-distillation, on the frozen model:
+
+    python -m mtpflow.train_heads                                # the default model -> <cache>/heads/smollm2
+    python -m mtpflow.train_heads model=hf model.name=ID out=DIR data.samples=512
+    python -m mtpflow.train_heads "kinds=[]"                     # only the training text
+
+The base model writes its own training text (``mtpflow.tools.head_data``), then Medusa heads and the EAGLE layer
+learn to predict the model's own greedy choices; each kind is saved to ``out/<kind>/`` and loaded with
+``strategy=medusa strategy.propose.heads=out/medusa`` (or ``model.heads=out``).
+"""
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from mtpflow.errors import ConfigError, UserError, check_int, check_range, writable_folder
+from mtpflow.model import model_slug
+from mtpflow.strategies.head_modules import (
+    EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads,
+)
+
+_lock = threading.Lock()
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """``conf/train_heads.yaml`` composed with overrides (Hydra compose API: no outputs/ folder)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from mtpflow.config import conf_dir
+
+    with _lock:
+        GlobalHydra.instance().clear()
+        try:
+            with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
+                return hydra_compose(config_name="train_heads", overrides=list(overrides))
+        except (HydraException, OmegaConfBaseException) as exc:
+            raise UserError(f"bad configuration: {' '.join(str(exc).split())[:300]}") from None
+        finally:
+            GlobalHydra.instance().clear()
+
+
+def pick_draft_vocab(records: list[dict], size: int, vocab: int) -> torch.Tensor:
+    """The ``size`` target choices seen most often in the generated text (the whole vocabulary if 0)."""
+    if size <= 0 or size >= vocab:
+        return torch.arange(vocab)
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in records:
+        counts += torch.bincount(r["greedy"][r["prompt_len"] - 1:].long(), minlength=vocab)
+    order = torch.argsort(counts, descending=True, stable=True)
+    return order[:size].sort().values
+
+
+def split_by_prompt(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(held_out, train): the sequences of about ``fraction`` of the distinct prompts are held out, so the
+    held-out accuracy measures prompts the heads never saw (each prompt is sampled several times, and a
+    split by sequence let the heads score on text they had memorised). With a single prompt, both are all
+    records."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault(tuple(r["tokens"][: r["prompt_len"]].tolist()), []).append(r)
+    keys = list(groups)
+    random.Random(seed).shuffle(keys)
+    if len(keys) < 2:
+        return records, records
+    n_held = max(1, round(len(keys) * fraction))
+    held = [r for k in keys[:n_held] for r in groups[k]]
+    train = [r for k in keys[n_held:] for r in groups[k]]
+    random.Random(seed).shuffle(train)
+    return held, train
+
+
+def medusa_examples(records: list[dict], num_heads: int, index: torch.Tensor):
+    """(hidden [N, h] fp16, labels [N, num_heads]): head i at input j learns the model's choice after input
+    j + 1 + i, i.e. the token at j + 2 + i; -100 where the sequence ends or the token is outside the draft
+    vocabulary."""
+    xs, ys = [], []
+    for r in records:
+        n, start = r["hidden"].shape[0], r["prompt_len"] - 1
+        greedy = index[r["greedy"].long()]
+        labels = torch.full((n - start, num_heads), -100, dtype=torch.long)
+        for i in range(num_heads):
+            lo = start + 1 + i
+            if lo < n:
+                labels[: n - lo, i] = greedy[lo:]
+        xs.append(r["hidden"][start:])
+        ys.append(labels)
+    return torch.cat(xs), torch.cat(ys)
+
+
+class Checkpoint:
+    """The weights with the best held-out score seen so far (early stopping: self-distilled data is small and
+    the heads can memorise it, so the last step need not be the best one on unseen prompts; the held-out set
+    both picks the checkpoint and reports its accuracy)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.state, self.step, self.score, self.metrics = module, None, 0, float("-inf"), []
+
+    def offer(self, step: int, score: float, metrics: list[float]) -> None:
+        if score > self.score:
+            self.step, self.score, self.metrics = step, score, metrics
+            self.state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+
+    def restore(self) -> None:
+        if self.state is not None:
+            self.module.load_state_dict(self.state)
+
+
+def lr_schedule(opt, lr: float, steps: int):
+    """One cycle with a 5% warm-up; a constant rate for runs of under 40 steps, too short for a warm-up (torch's
+    OneCycleLR divides by zero when its warm-up is exactly one step, e.g. 20 steps at 5%)."""
+    if steps < 40:
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=lr, total_steps=steps, pct_start=0.05)
+
+
+def head_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    valid = labels >= 0
+    return float((logits.argmax(-1) == labels)[valid].float().mean()) if bool(valid.any()) else 0.0
+
+
+def train_medusa(cfg, records, held_out, lm, index, hidden, seed) -> tuple[MedusaHeads, dict]:
+    torch.manual_seed(seed)
+    k = int(cfg.num_heads)
+    heads = MedusaHeads(hidden, k)
+    x, y = medusa_examples(records, k, index)
+    xv, yv = medusa_examples(held_out, k, index)
+    opt = torch.optim.AdamW(heads.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
+    steps, batch = int(cfg.steps), int(cfg.batch_tokens)
+    sched = lr_schedule(opt, float(cfg.lr), steps)
+    weights = torch.tensor([float(cfg.head_decay) ** i for i in range(k)])
+    g = torch.Generator().manual_seed(seed)
+
+    @torch.no_grad()
+    def evaluate() -> list[float]:
+        heads.eval()
+        feats = heads(xv[:4096].float())
+        heads.train()
+        return [round(head_accuracy(lm(feats[i]), yv[:4096, i]), 4) for i in range(k)]
+
+    best = Checkpoint(heads)
+    bar = tqdm(range(steps), desc="train medusa heads", unit="step")
+    for step in bar:
+        pick = torch.randint(0, x.shape[0], (batch,), generator=g)
+        feats = heads(x[pick].float())  # [k, B, h]
+        loss = sum(weights[i] * F.cross_entropy(lm(feats[i]), y[pick, i], ignore_index=-100) for i in range(k))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}", best=f"{best.score:.3f}")
+        if (step + 1) % int(cfg.eval_every) == 0 or step + 1 == steps:
+            acc = evaluate()
+            best.offer(step + 1, sum(w * a for w, a in zip(weights.tolist(), acc)) / float(weights.sum()), acc)
+    best.restore()
+    return heads.eval(), {"train_examples": int(x.shape[0]), "held_out_top1": best.metrics, "best_step": best.step}
+
+
+def eagle_batch(records, length, g, embed, index, noise):
+    """Random crops of ``length`` inputs: features f_j, embeddings of x_{j+1}, targets f_{j+1} and labels
+    (the model's choice after input j + 1), with a loss mask over the generated part."""
+    feats, embs, target, labels, mask, pos = [], [], [], [], [], []
+    for _ in range(len(records)):
+        r = records[int(torch.randint(0, len(records), (1,), generator=g))]
+        n = r["hidden"].shape[0]  # inputs 0 .. n-1 (token n is the last sampled one)
+        usable = n - 1  # input j needs f_{j+1}
+        if usable < 2:
+            continue
+        t = min(length, usable)
+        lo = int(torch.randint(0, usable - t + 1, (1,), generator=g))
+        j = torch.arange(lo, lo + t)
+        f = r["hidden"][j].float()
+        if noise:
+            f = f + (torch.rand(f.shape, generator=g) * 2 - 1) * noise
+        pad = length - t
+        feats.append(F.pad(f, (0, 0, 0, pad)))
+        embs.append(F.pad(embed(r["tokens"][j + 1].long()).float(), (0, 0, 0, pad)))
+        target.append(F.pad(r["hidden"][j + 1].float(), (0, 0, 0, pad)))
+        labels.append(F.pad(index[r["greedy"][j + 1].long()], (0, pad), value=-100))
+        mask.append(F.pad((j >= r["prompt_len"] - 1).float(), (0, pad)))
+        pos.append(F.pad(j, (0, pad)))
+    return (torch.stack(feats), torch.stack(embs), torch.stack(target), torch.stack(labels), torch.stack(mask),
+            torch.stack(pos))
+
+
+def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple[EagleDrafter, dict, dict]:
+    torch.manual_seed(seed)
+    heads = int(cfg.attention_heads) or default_attention_heads(hidden)
+    layer_cfg = {"attention_heads": heads, "intermediate_size": int(cfg.intermediate_size), "window": int(cfg.window)}
+    drafter = EagleDrafter(hidden, heads, int(cfg.intermediate_size), int(cfg.window))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
+    steps = int(cfg.steps)
+    sched = lr_schedule(opt, float(cfg.lr), steps)
+    g = torch.Generator().manual_seed(seed)
+    held = eagle_batch(held_out[:64], int(cfg.sequence_length), torch.Generator().manual_seed(seed + 1), embed, index, 0.0)
+
+    @torch.no_grad()
+    def evaluate() -> float:
+        f, e, _, lab, m, pos = held
+        drafter.eval()
+        logits = lm(drafter(f, e, pos))
+        drafter.train()
+        return round(head_accuracy(logits, torch.where(m > 0, lab, torch.full_like(lab, -100))), 4)
+
+    best = Checkpoint(drafter)
+    bar = tqdm(range(steps), desc="train eagle layer", unit="step")
+    for step in bar:
+        sample = [records[int(torch.randint(0, len(records), (1,), generator=g))] for _ in range(int(cfg.batch_sequences))]
+        f, e, tgt, lab, m, pos = eagle_batch(sample, int(cfg.sequence_length), g, embed, index, float(cfg.noise))
+        out = drafter(f, e, pos)
+        lab = torch.where(m > 0, lab, torch.full_like(lab, -100))
+        ce = F.cross_entropy(lm(out).flatten(0, 1), lab.flatten(), ignore_index=-100)
+        reg = (F.smooth_l1_loss(out, tgt, reduction="none").mean(-1) * m).sum() / m.sum().clamp(min=1)
+        loss = ce + float(cfg.feature_weight) * reg
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(ce=f"{ce.item():.3f}", feat=f"{reg.item():.3f}", best=f"{best.score:.3f}")
+        if (step + 1) % int(cfg.eval_every) == 0 or step + 1 == steps:
+            acc = evaluate()
+            best.offer(step + 1, acc, [acc])
+    best.restore()
+    return drafter.eval(), {"held_out_top1": best.metrics, "best_step": best.step}, layer_cfg
+
+
+def data_folder(cfg: DictConfig, model_id: str) -> tuple[Path, dict]:
+    """(shard folder, data settings): ``data.folder`` if set, else one folder per model and data settings under
+    the cache, so a rerun with the same settings resumes and reuses the text."""
+    from mtpflow.tools.head_data import settings_key
+    from mtpflow.model import cache_dir
+
+    settings = OmegaConf.to_container(cfg.data, resolve=True)
+    settings.pop("folder", None)
+    if cfg.data.folder:
+        return Path(cfg.data.folder).expanduser(), settings
+    key = settings_key(model_id, {**settings, "chat": bool(cfg.chat)})
+    return cache_dir() / "head_data" / f"{model_slug(cfg.model.name)}-{key}", settings
+
+
+def check_settings(cfg: DictConfig) -> list[str]:
+    """Every training setting checked before the model loads (one line naming the setting, not a traceback
+    from deep in the optimiser half an hour later); returns the kinds to train."""
+    from omegaconf import ListConfig
+
+    if not isinstance(cfg.kinds, ListConfig):
+        raise ConfigError(f"kinds must be a list such as [medusa, eagle] or [], got {cfg.kinds!r}")
+    kinds = list(cfg.kinds)
+    for kind in kinds:
+        if kind not in ("medusa", "eagle"):
+            raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle)")
+    whole = {"data.samples": 1, "data.batch_size": 1, "data.bucket": 1, "data.max_new_tokens": 2, "draft_vocab": 0,
+             "threads": 0, "seed": 0, "data.seed": 0,
+             "medusa.num_heads": 1, "medusa.steps": 1, "medusa.batch_tokens": 1, "medusa.eval_every": 1,
+             "eagle.window": 1, "eagle.intermediate_size": 1, "eagle.attention_heads": 0, "eagle.steps": 1,
+             "eagle.batch_sequences": 1, "eagle.sequence_length": 1, "eagle.eval_every": 1}
+    for name, low in whole.items():
+        check_int(name, OmegaConf.select(cfg, name), low)
+    for kind in ("medusa", "eagle"):
+        check_range(f"{kind}.lr", cfg[kind].lr, 0, None, low_inclusive=False)
+        check_range(f"{kind}.weight_decay", cfg[kind].weight_decay, 0, None)
+    check_range("medusa.head_decay", cfg.medusa.head_decay, 0, 1, low_inclusive=False)
+    check_range("eagle.feature_weight", cfg.eagle.feature_weight, 0, None)
+    check_range("eagle.noise", cfg.eagle.noise, 0, None)
+    if not isinstance(cfg.data.temperatures, ListConfig):
+        raise ConfigError(f"data.temperatures must be a list such as [0.0, 0.5], got {cfg.data.temperatures!r}")
+    for t in cfg.data.temperatures:
+        check_range("data.temperatures", t, 0, None)
+    return kinds
+
+
+def run(cfg: DictConfig, loaded=None) -> Path:
+    """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
+    ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
+    from mtpflow.model import cache_dir, encode_prompt, load_model
+    from mtpflow.tools.head_data import generate_data, generated_tokens, load_shards
+
+    kinds = check_settings(cfg)
+    if int(cfg.threads) > 0:
+        torch.set_num_threads(int(cfg.threads))
+    t0 = time.perf_counter()
+    m = cfg.model
+    loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+    model = loaded.model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    out = Path(cfg.out).expanduser() if cfg.out else cache_dir() / "heads" / model_slug(m.name)
+    folder, data_settings = data_folder(cfg, loaded.model_id)
+    for path in (folder, out) if kinds else (folder,):  # before the model writes half an hour of text
+        writable_folder(path)
+    print(f"training data: {folder}", file=sys.stderr)
+
+    def encode(prompt):
+        return encode_prompt(loaded.tokenizer, prompt, bool(cfg.chat))
+
+    shards = generate_data(loaded, cfg.data, folder, encode)
+    t_data = time.perf_counter() - t0
+    records = load_shards(shards)
+    generated = generated_tokens(records)
+    if not kinds:  # kinds=[]: only write (or complete) the training text
+        print(f"training data ready in {t_data / 60:.1f} min: {len(records)} sequences, {generated} tokens -> "
+              f"{folder}", file=sys.stderr)
+        return folder
+    held_out, train = split_by_prompt(records, 0.1, int(cfg.seed))
+    lm_weight = model.get_output_embeddings().weight.detach().float().cpu()
+    vocab, hidden = int(lm_weight.shape[0]), int(model.config.hidden_size)
+    draft_ids = pick_draft_vocab(train, int(cfg.draft_vocab), vocab)
+    index = draft_index(draft_ids, vocab)
+    draft_weight = lm_weight[draft_ids]
+
+    def lm(features):
+        return features @ draft_weight.T
+
+    embed_weight = model.get_input_embeddings().weight.detach().float().cpu()
+
+    def embed(ids):
+        return embed_weight[ids]
+
+    base = {"model_id": loaded.model_id, "model_name": str(m.name), "hidden_size": hidden, "vocab_size": vocab}
+    training = {"sequences": len(records), "held_out_sequences": len(held_out) if held_out is not train else 0,
+                "generated_tokens": generated, "data_seconds": round(t_data, 1),
+                "data": data_settings}
+    for kind in kinds:
+        t_kind = time.perf_counter()
+        if kind == "medusa":
+            module, metrics = train_medusa(cfg.medusa, train, held_out, lm, index, hidden, int(cfg.seed))
+            config = {**base, "kind": "medusa", "num_heads": int(cfg.medusa.num_heads)}
+        else:
+            module, metrics, layer_cfg = train_eagle(cfg.eagle, train, held_out, lm, index, embed, hidden, int(cfg.seed))
+            config = {**base, "kind": "eagle", "num_heads": 1, **layer_cfg}
+        config["training"] = {**training, **metrics, "train_seconds": round(time.perf_counter() - t_kind, 1),
+                              "settings": OmegaConf.to_container(cfg[kind], resolve=True)}
+        save_heads(out / kind, module, draft_ids, config)
+        print(f"{kind}: held-out top-1 {metrics['held_out_top1']} -> {out / kind}", file=sys.stderr)
+    total = time.perf_counter() - t0
+    summary = {"seconds_total": round(total, 1), "seconds_data": round(t_data, 1), "out": str(out)}
+    (out / "training.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    print(f"done in {total / 60:.1f} min: {out}", file=sys.stderr)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        run(compose(argv))
+    except UserError as exc:
+        print(f"mtpflow.train_heads: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
