@@ -455,14 +455,14 @@ class Engine:
             elif seq.done:
                 self._end(seq, handle, None)
 
-    def _rows_cap(self, sequences: list[Sequence], drafts) -> int:
+    def _rows_cap(self, sequences: list[Sequence], sizes: list[int]) -> int:
         """Batch-aware K: the rows per sequence that maximise the batch's expected tokens per second under the
         measured cost of one batched forward (``mtpflow.cost_model.BatchCostModel``)."""
         if self._batch_costs is None:
             from mtpflow.cost_model import load_batch_costs
 
             self._batch_costs, _ = load_batch_costs(self.loaded)
-        return self._batch_costs.best_rows([s.acceptance.value for s in sequences], [d.num_nodes for d in drafts])
+        return self._batch_costs.best_rows([s.acceptance.value for s in sequences], sizes)
 
     def _end(self, seq: Sequence | None, handle: RequestHandle, error: BaseException | None) -> None:
         with self._lock:

@@ -119,6 +119,7 @@ class Sequence:
         self._ended = False
         # this sequence's draft acceptance (per position), for the engine's batch-aware cap
         self.acceptance = DecayedAcceptance(prior=0.5)
+        self.last_draft_size: int | None = None  # nodes of the last draft it planned (the batch's K forecast)
 
     @property
     def done(self) -> bool:
@@ -153,8 +154,9 @@ class Sequence:
         self.stop_reason = "eos" if first in self.eos else ("max_new_tokens" if context.max_new_tokens <= 1 else "")
 
     # ----- one step, first half: K, draft, pruning ----------------------------------------------------------
-    def plan(self) -> Draft | None:
-        """Choose K and draft; None when the sequence cannot take another step (its context is full)."""
+    def plan(self, max_k: int | None = None) -> Draft | None:
+        """Choose K (at most ``max_k``: the engine's batch-aware K) and draft; None when the sequence cannot
+        take another step (its context is full)."""
         state, hook, target = self.state, self.hook, self.target
         t_step = time.perf_counter()
         self.timer.seconds.clear()
@@ -164,7 +166,7 @@ class Sequence:
             self.stop_reason = "context_full"
             return None
         k = hook.select_k(state=state)
-        k = max(0, min(int(k or 0), MAX_K, remaining - 1, room))
+        k = max(0, min(int(k or 0), MAX_K, remaining - 1, room, MAX_K if max_k is None else max_k))
         draft = hook.propose(state=state, k=k) if k > 0 else None
         draft = draft or Draft.empty()
         if not isinstance(draft, Draft):
@@ -181,6 +183,8 @@ class Sequence:
                 if not bool(keep.all()):
                     draft = draft.subset(keep)
         draft = replace(draft, num_proposed=num_proposed)
+        if k > 0:
+            self.last_draft_size = draft.num_nodes
         self._pending = (t_step, k, draft, num_proposed, target.cache_len)
         return draft
 
@@ -351,12 +355,14 @@ class Sequence:
         return out, out_kinds
 
 
-def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Sequence], list[Draft]], int] | None = None,
+def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Sequence], list[int]], int] | None = None,
                 on_error: Callable[[Sequence, BaseException], None] | None = None) -> None:
     """One step for every sequence in ``sequences`` (all started, none done): each plans its draft, ONE
     forward verifies all the drafts, each gates and commits its own. ``rows_cap(sequences, drafts)`` may cap
     the rows per sequence of the shared forward (the engine's batch-aware K: drafts are cut to their first
-    ``cap - 1`` nodes, a prefix of a topologically ordered tree is a tree). A sequence whose stage raises is
+    ``cap - 1`` nodes, a prefix of a topologically ordered tree is a tree). Before drafting, the same rule runs
+    on each sequence's last draft size: when it says no draft pays (cap 1), nobody drafts this step, so the
+    batch does not pay for proposals it would cut. A sequence whose stage raises is
     handed to ``on_error`` (or the exception propagates) and leaves the step; the others go on."""
     def guarded(seq, fn):
         try:
@@ -367,13 +373,20 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
             on_error(seq, exc)
             return _FAILED
 
+    max_k = None
+    if rows_cap is not None and len(sequences) > 1:
+        forecast = [s.last_draft_size for s in sequences]
+        if all(n is not None for n in forecast) and rows_cap(sequences, forecast) == 1:
+            max_k = 0
+            for seq in sequences:  # an untried draft: the estimate drifts back, so drafting is tried again
+                seq.acceptance.forget_rejections()
     planned = []
     for seq in sequences:
-        draft = guarded(seq, seq.plan)
+        draft = guarded(seq, lambda: seq.plan(max_k))
         if draft is not None and draft is not _FAILED:
             planned.append((seq, draft))
     if rows_cap is not None and len(planned) > 1:
-        cap = rows_cap([s for s, _ in planned], [d for _, d in planned])
+        cap = rows_cap([s for s, _ in planned], [d.num_nodes for _, d in planned])
         planned = [(s, s.cap_draft(cap - 1)) for s, _ in planned]
     batched = [(s, d) for s, d in planned if not s.own_verify]
     verifications: dict[int, Verification] = {}

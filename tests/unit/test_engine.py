@@ -91,7 +91,8 @@ def test_batch_result_equals_its_own_batch_one_run(tiny):
 @pytest.mark.parametrize("cheap", [True, False])
 def test_batch_aware_cap_follows_the_cost_model_and_stays_lossless(tiny, cheap):
     """With drafting nearly free the cap keeps every draft; with every extra row as dear as a whole forward it
-    cuts drafts to nothing (plain steps). Either way the output is HF greedy."""
+    cuts drafts to nothing (plain steps) and, once it has seen each sequence's draft size, stops asking the
+    proposers at all (no proposal the batch would cut). Either way the output is HF greedy."""
     engine = make_engine(tiny, "max_batch_size=4")
     engine.batch_k = "auto"
     grid = {(b, q): (1.0 + (0.001 if cheap else 1.0) * b * (q - 1)) for b in (1, 4, 16) for q in (1, 3, 9, 17)}
@@ -99,15 +100,22 @@ def test_batch_aware_cap_follows_the_cost_model_and_stays_lossless(tiny, cheap):
     prompt = random_prompts(1, seed=6)[0]  # the same request four times: they run every step together
     reference = hf_greedy(tiny.model, prompt, NEW)
     oracles = [OracleTreeProposer(reference, len(tiny.tokenizer), seed=i, wrong_rate=0.1, branch=1) for i in range(4)]
+    calls = []
+    for oracle in oracles:
+        oracle.propose = (lambda f: hookimpl(lambda state, k: calls.append(k) or f(state, k)))(oracle.propose)
     with engine._lock:  # the engine thread waits until all four are queued: they start in the same step
         handles = [(engine.submit(Request(prompt_ids=prompt, strategy="baseline", overrides={"k": 4}),
                                   extra_plugins=(oracle,)), reference) for oracle in oracles]
-    drafted = 0
+    drafted = steps = 0
     for handle, reference in handles:
         result = handle.result()
         assert result.token_ids == reference
         drafted += result.stats["draft_tokens"]
+        steps += result.stats["verify_forwards"]
     assert (drafted > 0) == cheap
+    # dear: each proposer drafts in the first step (its size is unknown), then rarely (a retry as its
+    # rejections fade); cheap: every step but a sequence's last (one token left: K = 0)
+    assert len(calls) >= 4 and (len(calls) >= steps - 4 if cheap else len(calls) < steps / 4), (len(calls), steps)
 
 
 class FailsAtStep:
