@@ -338,6 +338,14 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self._queue)
 
+    def healthy(self) -> bool:
+        """False when the decoding thread ended without saying so (it clears itself when it goes idle or shuts
+        down) or when requests wait with no thread to run them: a health check (Ray Serve's) restarts the
+        replica then."""
+        with self._lock:  # submit starts the thread while holding it
+            thread, busy = self._thread, bool(self._queue or self._running)
+        return thread.is_alive() if thread is not None else not busy
+
     def add_step_listener(self, listener: Callable[[int, int], None]) -> None:
         """``listener(batch_size, new_tokens)`` after every batched step (metrics)."""
         self._step_listeners.append(listener)

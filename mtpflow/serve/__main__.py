@@ -4,6 +4,9 @@ the OpenAI API on the batching engine (see docs/server.md). Hydra overrides as f
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, running and waiting ones finish (up to ``--drain-timeout``
 seconds, then they are cancelled and recorded ``interrupted``), and the trace database is checkpointed.
+
+``--ray --replicas N`` (or ``--min-replicas A --max-replicas B``) serves N engine replicas behind Ray Serve
+instead (``mtpflow.serve.ray_app``).
 """
 from __future__ import annotations
 
@@ -28,12 +31,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds SIGTERM waits for open requests before cancelling them (default 30)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ray = p.add_argument_group("many replicas on Ray Serve (pip install 'mtpflow[ray]'; docs/server.md)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve engine replicas behind Ray Serve (a local Ray instance unless --ray-address)")
+    ray.add_argument("--ray-address", default=None, help="join this Ray cluster (e.g. 'auto') instead of a local one")
+    ray.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale: the fewest replicas")
+    ray.add_argument("--max-replicas", type=int, default=None, help="autoscale: the most replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="autoscale: requests in flight (running + queued) per replica to aim for "
+                          "(default: max_batch_size)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs (and torch threads) per replica")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="Hydra overrides, e.g. strategy=pld")
     args = p.parse_args(argv)
     if not 0 <= args.port <= 65535:
         p.error(f"--port must be in [0, 65535], got {args.port}")
     if args.drain_timeout < 0:
         p.error("--drain-timeout must be >= 0")
+    ray_only = [f for f in ("ray_address", "replicas", "min_replicas", "max_replicas", "target_ongoing_requests")
+                if getattr(args, f) is not None]
+    if ray_only and not args.ray:
+        p.error(f"--{ray_only[0].replace('_', '-')} needs --ray")
     return args
 
 
@@ -101,6 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     from mtpflow.errors import UserError
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
+    if args.ray:
+        try:
+            from mtpflow.serve.ray_app import run_on_ray
+        except ImportError as exc:
+            print(f"mtpflow.serve: error: --ray needs Ray Serve ({exc}); pip install 'mtpflow[ray]'", file=sys.stderr)
+            return 2
+        return run_on_ray(args)
     try:
         app, cfg = build_app(args)
     except UserError as exc:

@@ -25,10 +25,14 @@ class ServerMetrics:
             from mtpflow.traces.metrics import TraceCollector
 
             r.register(TraceCollector(store))
-        running = Gauge(f"{PREFIX}_requests_running", "Requests decoding in the running batch.", registry=r)
-        running.set_function(lambda: float(engine.num_running))
-        waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests in the engine's waiting queue.", registry=r)
-        waiting.set_function(lambda: float(engine.num_waiting))
+        # multiprocess_mode: one series per live replica process on Ray Serve (mtpflow.serve.ray_app), where
+        # prometheus_client shares files between processes and these two are set, not read through a function
+        self.running = Gauge(f"{PREFIX}_requests_running", "Requests decoding in the running batch.", registry=r,
+                             multiprocess_mode="liveall")
+        self.running.set_function(lambda: float(engine.num_running))
+        self.waiting = Gauge(f"{PREFIX}_requests_waiting", "Requests in the engine's waiting queue.", registry=r,
+                             multiprocess_mode="liveall")
+        self.waiting.set_function(lambda: float(engine.num_waiting))
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests to the completion endpoints by outcome: "
                                 "complete, interrupted (client left or shutdown), failed, rejected (4xx), "
                                 "queue_full (429), unavailable (503), unauthorized (401).",
