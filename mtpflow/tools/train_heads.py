@@ -6,7 +6,9 @@
 
 The base model writes its own training text (``mtpflow.tools.head_data``), then Medusa heads and the EAGLE layer
 learn to predict the model's own greedy choices; each kind is saved to ``out/<kind>/`` and loaded with
-``strategy=medusa strategy.propose.heads=out/medusa`` (or ``model.heads=out``).
+``strategy=medusa strategy.propose.heads=out/medusa`` (or ``model.heads=out``). ``export=vllm out=DIR`` trains
+nothing: it writes the EAGLE heads of ``model.heads`` (default: the shipped ones) as a vLLM draft checkpoint
+(``mtpflow.tools.export_vllm``).
 """
 from __future__ import annotations
 
@@ -287,6 +289,10 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     from mtpflow.model import cache_dir, encode_prompt, load_model
     from mtpflow.tools.head_data import generate_data, generated_tokens, load_shards
 
+    if cfg.get("export"):  # export=vllm: write the EAGLE heads (model.heads) as a vLLM draft checkpoint instead
+        from mtpflow.tools.export_vllm import export_from_config
+
+        return export_from_config(cfg)
     kinds = check_settings(cfg)
     if int(cfg.threads) > 0:
         torch.set_num_threads(int(cfg.threads))
