@@ -174,28 +174,15 @@ class SuffixDrafter:
         self.live = None
 
 
-class SuffixProposer:
-    """The ``suffix_cache`` proposer: a frequency-scored tree from the suffix cache (see ``SuffixDrafter``).
-    Its nodes carry an acceptance estimate as PFS, marked calibrated, so the cost-aware PFS pruner keeps the
-    part that pays for its verify cost."""
+class _SuffixHooks:
+    """The hooks a suffix-cache stage shares, whether it drafts alone or grafts: start, learn from each step,
+    count, and add the finished output to the cache (``self.drafter`` is a ``SuffixDrafter``)."""
 
-    def __init__(self, **options):
-        self.drafter = SuffixDrafter(**options)
+    drafter: SuffixDrafter
 
     @hookimpl
     def on_run_start(self, context) -> dict[str, Any]:
         return self.drafter.start(context)
-
-    @hookimpl
-    def propose(self, state: DecodeState, k: int) -> Draft:
-        tokens, parents, probs, pfs, _ = self.drafter.tree(state, k)
-        if not tokens:
-            return Draft.empty(SOURCE)
-        n = len(tokens)
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     probs=torch.tensor(probs, dtype=torch.float32), source=SOURCE,
-                     scores={"pfs": torch.tensor(pfs, dtype=torch.float32), "calibrated": torch.ones(n),
-                             MARK: torch.ones(n)})
 
     @hookimpl
     def on_step_end(self, record: StepRecord) -> None:
@@ -210,7 +197,27 @@ class SuffixProposer:
         self.drafter.finish(result, status)
 
 
-class SuffixGraft:
+class SuffixProposer(_SuffixHooks):
+    """The ``suffix_cache`` proposer: a frequency-scored tree from the suffix cache (see ``SuffixDrafter``).
+    Its nodes carry an acceptance estimate as PFS, marked calibrated, so the cost-aware PFS pruner keeps the
+    part that pays for its verify cost."""
+
+    def __init__(self, **options):
+        self.drafter = SuffixDrafter(**options)
+
+    @hookimpl
+    def propose(self, state: DecodeState, k: int) -> Draft:
+        tokens, parents, probs, pfs, _ = self.drafter.tree(state, k)
+        if not tokens:
+            return Draft.empty(SOURCE)
+        n = len(tokens)
+        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                     probs=torch.tensor(probs, dtype=torch.float32), source=SOURCE,
+                     scores={"pfs": torch.tensor(pfs, dtype=torch.float32), "calibrated": torch.ones(n),
+                             MARK: torch.ones(n)})
+
+
+class SuffixGraft(_SuffixHooks):
     """Adds suffix-cache drafts to whatever the strategy's proposer drafts (a ``propose`` wrapper): list it
     under a strategy's ``plugins:``, e.g. ``strategy.plugins=[{_target_: mtpflow.strategies.suffix.SuffixGraft}]``.
     The proposer's own nodes keep their indices; the suffix tree is merged in from the root (``graft_tree``).
@@ -220,10 +227,6 @@ class SuffixGraft:
     def __init__(self, min_pfs: float = 0.3, **options):
         self.min_pfs = float(check_range("strategy.plugins.min_pfs", min_pfs, 0, 1))
         self.drafter = SuffixDrafter(where="strategy.plugins", **options)
-
-    @hookimpl
-    def on_run_start(self, context) -> dict[str, Any]:
-        return self.drafter.start(context)
 
     @hookimpl(wrapper=True)
     def propose(self, state: DecodeState, k: int):
@@ -238,14 +241,3 @@ class SuffixGraft:
         return graft_tree(draft, [tokens[i] for i in keep], [remap.get(parents[i], -1) for i in keep],
                           [pfs[i] for i in keep], MARK)
 
-    @hookimpl
-    def on_step_end(self, record: StepRecord) -> None:
-        self.drafter.learn(record)
-
-    @hookimpl
-    def run_stats(self) -> dict[str, Any]:
-        return dict(self.drafter.counts)
-
-    @hookimpl
-    def on_run_end(self, result: DecodeResult, status: str) -> None:
-        self.drafter.finish(result, status)
