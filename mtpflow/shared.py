@@ -26,3 +26,8 @@ class SharedState:
     def names(self) -> list[str]:
         with self._lock:
             return sorted(self._items)
+
+    def clear(self) -> None:
+        """Forget every shared object (the next request starts them afresh); requests running keep theirs."""
+        with self._lock:
+            self._items.clear()

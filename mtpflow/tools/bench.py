@@ -3,6 +3,7 @@ prompt suite shipped in ``mtpflow/data/bench_prompts.jsonl``; a table per class 
 speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG chart.
 
     python -m mtpflow.bench strategies=[baseline,pld,jacobi] max_new_tokens=128
+    python -m mtpflow.bench "strategies=[mtp,'mtp|strategy.propose.suffix=null']" repeats=2 "repeated=[mtp]"
     python -m mtpflow.bench mode=cost            # per-forward cost of the verify pass for K = 0..16
     python -m mtpflow.bench mode=batch strategies=[baseline,pld,mtp]   # engine vs HF batched, batch 1..16
     python -m mtpflow.bench mode=serve           # python -m mtpflow.serve under 1/4/8/16 clients
@@ -35,7 +36,8 @@ DEFAULTS = {
     "model": None,  # model.name override
     "cost_context": 256,
     "cost_ks": [0, 1, 2, 4, 8, 16],
-    "repeats": 1,  # runs per prompt and strategy (order rotated); the summary keeps each one's fastest
+    "repeats": 1,  # passes over the prompts (order rotated, shared caches cleared); the summary keeps the fastest
+    "repeated": [],  # these strategies run every prompt once more at the end, caches kept: repeated requests
     "cpu_linear": "both",  # mode=cost: both | packed | stock (see mtpflow.kernels.cpu_linear)
 }
 
@@ -108,7 +110,21 @@ def lookup_ceiling_steps(prompt_ids, output_ids, max_ngram: int = 4, max_draft: 
     return steps
 
 
+def strategy_variant(entry: str) -> tuple[str, list[str]]:
+    """A ``strategies`` entry: a strategy name, optionally followed by config overrides for it alone, separated
+    by ``|`` (``mtp|+strategy.propose.suffix={}``); the whole entry labels its rows."""
+    name, *overrides = [part.strip() for part in str(entry).split("|")]
+    if not name or not all(overrides):
+        raise ConfigError(f"strategies: {entry!r} must be a strategy name, optionally followed by |override|...")
+    return name, overrides
+
+
 def run_decode_bench(opts) -> "pandas.DataFrame":
+    """Every prompt through HF ``generate`` and every strategy, ``repeats`` passes over the suite. State a
+    strategy keeps across requests on purpose (the suffix cache, the token-recycling table) is cleared before each
+    pass, so every pass measures first-time requests (earlier prompts of the pass are in the cache, this one is
+    not). ``repeated=[labels]`` adds a last pass in which those strategies see every prompt a second time,
+    without clearing: the figures for repeated requests (rows labelled ``<label>, repeated``)."""
     import pandas as pd
     from tqdm import tqdm
 
@@ -123,9 +139,13 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
     if opts.model:
         common.append(f"model.name={opts.model}")
     pipes = {}
-    for name in opts.strategies:
-        cfg = compose([f"strategy={name}", *common])
-        pipes[name] = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
+    for entry in opts.strategies:
+        name, own = strategy_variant(entry)
+        cfg = compose([f"strategy={name}", *common, *own])
+        pipes[str(entry)] = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
+    repeated = [str(r) for r in opts.repeated]
+    if set(repeated) - set(pipes):
+        raise ConfigError(f"repeated names {sorted(set(repeated) - set(pipes))}, not in strategies")
     first = next(iter(pipes.values()))
     loaded = first.loaded
     # warm-up: first calls pay one-time costs (allocator, kernels) that would bias whoever runs first
@@ -133,38 +153,47 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
     hf_generate(loaded.model, warm, 8, loaded.eos_token_ids)
     for pipe in pipes.values():
         pipe(prompt_ids=warm)
+    encoded = [first.encode(item["prompt"]) for item in suite]
+
+    def run(label: str, item: dict, ids, rep: int) -> dict:
+        t0 = time.perf_counter()
+        result = pipes[label](prompt_ids=ids)
+        seconds = time.perf_counter() - t0
+        s = result.stats
+        return {
+            "id": item["id"], "class": item["class"], "strategy": label, "repeat": rep,
+            "tokens": len(result.token_ids), "seconds": seconds, "steps": s["verify_forwards"] + 1,
+            "mal": s["mal"], "token_ids": list(result.token_ids),
+            "acceptance_rate": s["acceptance_rate"], "avg_k": s["mtp_avg_k_used"],
+            "error_propagation_rate": s["mtp_error_propagation_rate"],
+            "compression_rate": s.get("compression_rate", 1.0),
+        }
 
     rows = []
-    bar = tqdm(total=len(suite) * (len(pipes) + 1) * int(opts.repeats), desc="bench", unit="run", file=sys.stderr)
-    for item in suite:
-        ids = first.encode(item["prompt"])
-        for rep in range(int(opts.repeats)):
+    total = len(suite) * ((len(pipes) + 1) * int(opts.repeats) + len(repeated))
+    bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
+    for rep in range(int(opts.repeats)):
+        for pipe in pipes.values():
+            pipe.shared.clear()
+        for item, ids in zip(suite, encoded):
             # rotate the order each repeat, so no strategy always runs right after the same one
             order = ["hf_generate", *pipes]
             order = order[rep % len(order):] + order[:rep % len(order)]
-            ref = None
             for name in order:
                 if name == "hf_generate":
                     ref, hf_seconds = hf_generate(loaded.model, ids, int(opts.max_new_tokens), loaded.eos_token_ids)
-                    bar.update()
                     rows.append({"id": item["id"], "class": item["class"], "strategy": "hf_generate",
                                  "repeat": rep, "tokens": len(ref), "seconds": hf_seconds, "steps": len(ref),
                                  "mal": 1.0, "token_ids": ref,
                                  "lookup_ceiling_steps": lookup_ceiling_steps(ids.tolist(), ref)})
-                    continue
-                t0 = time.perf_counter()
-                result = pipes[name](prompt_ids=ids)
-                seconds = time.perf_counter() - t0
+                else:
+                    rows.append(run(name, item, ids, rep))
                 bar.update()
-                s = result.stats
-                rows.append({
-                    "id": item["id"], "class": item["class"], "strategy": name, "repeat": rep,
-                    "tokens": len(result.token_ids), "seconds": seconds, "steps": s["verify_forwards"] + 1,
-                    "mal": s["mal"], "token_ids": list(result.token_ids),
-                    "acceptance_rate": s["acceptance_rate"], "avg_k": s["mtp_avg_k_used"],
-                    "error_propagation_rate": s["mtp_error_propagation_rate"],
-                    "compression_rate": s.get("compression_rate", 1.0),
-                })
+    for item, ids in zip(suite, encoded):  # every prompt has been seen: the same requests again
+        for label in repeated:
+            row = run(label, item, ids, 0)  # compared with the first pass's HF run
+            rows.append({**row, "strategy": f"{label}, repeated"})
+            bar.update()
     bar.close()
     df = pd.DataFrame(rows)
     ref_ids = {(r.id, r.repeat): r.token_ids for r in df[df["strategy"] == "hf_generate"].itertuples()}
@@ -278,12 +307,14 @@ def check_options(opts) -> None:
 
     if opts.mode not in ("decode", "cost", "batch"):
         raise UserError(f"mode must be decode, cost, batch or serve, got {opts.mode!r}")
-    for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k"):
+    for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k", "repeated"):
         value = opts[name]
         if value is not None and not isinstance(value, ListConfig):
             opts[name] = [value]
     if not opts.strategies:
         raise ConfigError("strategies must name at least one strategy, e.g. strategies=[baseline,pld]")
+    for entry in opts.strategies:
+        strategy_variant(entry)
     check_int("max_new_tokens", opts.max_new_tokens, 1)
     check_int("limit", opts.limit, 0)
     check_int("repeats", opts.repeats, 1)

@@ -75,6 +75,34 @@ def test_decode_bench_end_to_end(tiny_dir, tmp_path):
     assert (out / "bench_speedup.png").stat().st_size > 0
 
 
+def test_variants_first_time_and_repeated_requests(tiny_dir, tmp_path):
+    """A strategies entry may carry its own overrides (``name|override``); every pass starts with empty shared
+    caches, so each measures first-time requests; ``repeated`` runs the named ones once more with the caches
+    kept, and the suffix cache then drafts the whole earlier output."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps(r) for r in [
+        {"id": "x1", "class": "a", "prompt": "one two three four five six"},
+        {"id": "x2", "class": "b", "prompt": "def add(a, b): return a + b"},
+    ]))
+    out = tmp_path / "out"
+    variant = "suffix_cache|strategy.select_k.k=24|strategy.prune=[]"
+    code = bench.main([f"model={tiny_dir}", f"prompts={prompts}", f"strategies=[baseline,'{variant}']", "repeats=2",
+                       f"repeated=['{variant}']", "max_new_tokens=24", "overrides=[trace=off,chat=false]",
+                       f"out={out}"])
+    assert code == 0
+    runs = pd.read_csv(out / "bench_runs.csv")
+    assert len(runs) == 2 * 2 * 3 + 2
+    first = runs[runs["strategy"] == variant]
+    again = runs[runs["strategy"] == f"{variant}, repeated"]
+    assert len(first) == 4 and len(again) == 2 and runs["identical"].all()
+    # the second pass drafted no more than the first: its cache was cleared, the same prompts came before
+    assert (first.groupby("id")["mal"].nunique() == 1).all()
+    assert again["mal"].min() > first["mal"].max()
+    assert bench.main(["strategies=[pld,'mtp|']"]) == 2
+    assert bench.main(["strategies=[pld]", "repeated=[mtp]", f"prompts={prompts}", f"model={tiny_dir}",
+                       f"out={tmp_path / 'x'}"]) == 2
+
+
 def test_cost_mode_end_to_end(tiny_dir, tmp_path):
     code = bench.main([f"model={tiny_dir}", "mode=cost", "cost_ks=[0,1,4]", "cost_context=16", f"out={tmp_path}"])
     assert code == 0
