@@ -3,7 +3,7 @@ prompt suite shipped in ``mtpflow/data/bench_prompts.jsonl``; a table per class 
 speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG chart.
 
     python -m mtpflow.bench strategies=[baseline,pld,jacobi] max_new_tokens=128
-    python -m mtpflow.bench "strategies=[mtp,'mtp|strategy.propose.suffix=null']" repeats=2 "repeated=[mtp]"
+    python -m mtpflow.bench "strategies=[mtp,'mtp|strategy.propose.suffix=null']" repeats=2 "repeated=[mtp]"  # variants
     python -m mtpflow.bench mode=cost            # per-forward cost of the verify pass for K = 0..16
     python -m mtpflow.bench mode=batch strategies=[baseline,pld,mtp]   # engine vs HF batched, batch 1..16
     python -m mtpflow.bench mode=serve           # python -m mtpflow.serve under 1/4/8/16 clients

@@ -1,0 +1,49 @@
+"""Token recycling and the suffix cache on the embedded default model (SmolLM2-135M-Instruct): token for token
+equal to HF greedy generate, alone and grafted into ``mtp`` (its default); a request repeated in the same pipeline is drafted
+from its earlier output (MAL >= 8)."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from helpers import hf_greedy, make_pipeline
+
+pytestmark = pytest.mark.default_model
+
+PROMPTS = [
+    ("Summarize: The meeting moved from Tuesday to Thursday at 3 pm because the client asked for more time to "
+     "review the proposal. Please bring the revised budget numbers."),
+    "Rename the variable x to total:\n\ndef f(values):\n    x = 0\n    for v in values:\n        x += v\n    return x",
+    "What is the capital of France?",
+]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model, ids: tuple[int, ...], new: int) -> list[int]:
+    """HF greedy once per prompt for the whole file (the model is the session's)."""
+    return hf_greedy(model, list(ids), new)
+
+
+@pytest.mark.parametrize("strategy, overrides", [
+    ("recycling", ["strategy.prune.0.costs=null", "strategy.prune.0.max_nodes=16"]),  # trees always verified
+    ("suffix_cache", []),
+    ("mtp", []),  # grafts both by default
+])
+def test_default_model_lossless(default_loaded, strategy, overrides):
+    pipe = make_pipeline(default_loaded, strategy, "max_new_tokens=32", "trace=off", *overrides)
+    for _ in range(2):  # the second round drafts from what the first one left in the shared state
+        for prompt in PROMPTS:
+            ids = pipe.encode(prompt).tolist()
+            result = pipe(prompt_ids=ids)
+            assert result.token_ids == reference(default_loaded.model, tuple(ids), 32), prompt[:30]
+
+
+def test_a_repeated_request_reaches_mal_8_with_the_suffix_cache(default_loaded):
+    pipe = make_pipeline(default_loaded, "suffix_cache", "max_new_tokens=80", "trace=off")
+    prompt = "Explain in a short paragraph how a hash table works."
+    first = pipe(prompt)
+    again = pipe(prompt)
+    assert again.token_ids == first.token_ids == hf_greedy(default_loaded.model, pipe.encode(prompt).tolist(), 80)
+    assert len(again.token_ids) == 80
+    assert again.stats["mal"] >= 8, (first.stats["mal"], again.stats["mal"])
