@@ -66,6 +66,20 @@ def graft_tree(draft: Draft, tokens: list[int], parents: list[int], pfs: list[fl
                  scores={key: torch.tensor(value, dtype=torch.float32) for key, value in scores.items()})
 
 
+def calibrated_tree(tokens: list[int], parents: list[int], probs: list[float], pfs: list[float], source: str,
+                    mark: str, mark_values: list[float] | None = None) -> Draft:
+    """A drafter's own tree as a ``Draft`` whose PFS is an acceptance estimate learned from the run: every node
+    marked ``calibrated`` (the PFS pruner takes it as it is) and ``scores[mark]`` (1.0, or ``mark_values``) so the
+    drafter finds its nodes again when it learns from the step. Empty input gives an empty draft."""
+    if not tokens:
+        return Draft.empty(source)
+    n = len(tokens)
+    marks = torch.ones(n) if mark_values is None else torch.tensor(mark_values, dtype=torch.float32)
+    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
+                 probs=torch.tensor(probs, dtype=torch.float32), source=source,
+                 scores={"pfs": torch.tensor(pfs, dtype=torch.float32), "calibrated": torch.ones(n), mark: marks})
+
+
 def _path_products(probs: list[float], parents: list[int]) -> list[float]:
     out = [0.0] * len(probs)
     for i, p in enumerate(parents):

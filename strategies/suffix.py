@@ -13,12 +13,11 @@ import math
 import threading
 from typing import Any
 
-import torch
 
 from mtpflow.cost_model import DecayedAcceptance
 from mtpflow.errors import ConfigError, check_int, check_range
 from mtpflow.hookspecs import hookimpl
-from mtpflow.strategies.graft import graft_tree
+from mtpflow.strategies.graft import calibrated_tree, graft_tree
 from mtpflow.suffix_cache import SuffixCache, TokenIndex, frequency_tree
 from mtpflow.types import DecodeResult, DecodeState, Draft, StepRecord
 
@@ -208,13 +207,7 @@ class SuffixProposer(_SuffixHooks):
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
         tokens, parents, probs, pfs, _ = self.drafter.tree(state, k)
-        if not tokens:
-            return Draft.empty(SOURCE)
-        n = len(tokens)
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     probs=torch.tensor(probs, dtype=torch.float32), source=SOURCE,
-                     scores={"pfs": torch.tensor(pfs, dtype=torch.float32), "calibrated": torch.ones(n),
-                             MARK: torch.ones(n)})
+        return calibrated_tree(tokens, parents, probs, pfs, SOURCE, MARK)
 
 
 class SuffixGraft(_SuffixHooks):

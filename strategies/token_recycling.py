@@ -20,6 +20,7 @@ import torch
 
 from mtpflow.errors import ConfigError, check_int, check_range
 from mtpflow.hookspecs import hookimpl
+from mtpflow.strategies.graft import calibrated_tree
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 
@@ -227,13 +228,7 @@ class TokenRecyclingProposer:
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
         tokens, parents, p, pfs, nodes = self.tree(state, k)
-        if not tokens:
-            return Draft.empty(SOURCE)
-        n = len(tokens)
-        return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                     probs=torch.tensor(p, dtype=torch.float32), source=SOURCE,
-                     scores={"pfs": torch.tensor(pfs, dtype=torch.float32), "calibrated": torch.ones(n),
-                             MARK: torch.tensor(nodes, dtype=torch.float32) + 1})
+        return calibrated_tree(tokens, parents, p, pfs, SOURCE, MARK, [node + 1 for node in nodes])  # template node + 1
 
     @hookimpl
     def on_step_end(self, record: StepRecord) -> None:

@@ -144,8 +144,6 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
         cfg = compose([f"strategy={name}", *common, *own])
         pipes[str(entry)] = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
     repeated = [str(r) for r in opts.repeated]
-    if set(repeated) - set(pipes):
-        raise ConfigError(f"repeated names {sorted(set(repeated) - set(pipes))}, not in strategies")
     first = next(iter(pipes.values()))
     loaded = first.loaded
     # warm-up: first calls pay one-time costs (allocator, kernels) that would bias whoever runs first
@@ -315,6 +313,9 @@ def check_options(opts) -> None:
         raise ConfigError("strategies must name at least one strategy, e.g. strategies=[baseline,pld]")
     for entry in opts.strategies:
         strategy_variant(entry)
+    unknown = sorted({str(r) for r in opts.repeated} - {str(e) for e in opts.strategies})
+    if unknown:
+        raise ConfigError(f"repeated names {unknown}, which strategies does not list")
     check_int("max_new_tokens", opts.max_new_tokens, 1)
     check_int("limit", opts.limit, 0)
     check_int("repeats", opts.repeats, 1)

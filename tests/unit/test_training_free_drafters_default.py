@@ -25,18 +25,22 @@ def reference(model, ids: tuple[int, ...], new: int) -> list[int]:
     return hf_greedy(model, list(ids), new)
 
 
-@pytest.mark.parametrize("strategy, overrides", [
-    ("recycling", ["strategy.prune.0.costs=null", "strategy.prune.0.max_nodes=16"]),  # trees always verified
-    ("suffix_cache", []),
-    ("mtp", []),  # grafts both by default
+@pytest.mark.parametrize("strategy, overrides, drafters", [
+    ("recycling", ["strategy.prune.0.costs=null", "strategy.prune.0.max_nodes=16"], ["recycling"]),  # trees verified
+    ("suffix_cache", [], ["suffix"]),
+    ("mtp", [], ["recycling", "suffix"]),  # grafts both by default
 ])
-def test_default_model_lossless(default_loaded, strategy, overrides):
+def test_default_model_lossless(default_loaded, strategy, overrides, drafters):
     pipe = make_pipeline(default_loaded, strategy, "max_new_tokens=32", "trace=off", *overrides)
+    accepted = dict.fromkeys(drafters, 0)
     for _ in range(2):  # the second round drafts from what the first one left in the shared state
         for prompt in PROMPTS:
             ids = pipe.encode(prompt).tolist()
             result = pipe(prompt_ids=ids)
             assert result.token_ids == reference(default_loaded.model, tuple(ids), 32), prompt[:30]
+            for name in drafters:
+                accepted[name] += result.stats[f"{name}_accepted"]
+    assert all(accepted.values()), accepted  # each drafter's own tokens were drafted and accepted
 
 
 def test_a_repeated_request_reaches_mal_8_with_the_suffix_cache(default_loaded):
