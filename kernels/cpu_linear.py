@@ -9,7 +9,10 @@ primitive over a weight packed once into its blocked layout reads the weights on
 
 For one row, MKL's stock path on that machine was itself slower than a product with a transposed copy of the
 weight (7-27% of a whole one-token forward across runs); ``install`` times both on the model's largest linear and
-keeps the faster, so plain decode steps do not lose to ``model.generate`` either.
+keeps the faster for the stock path. One row is also a row count the plans below are timed for: on the 2-core
+AMD EPYC host the native kernel ran a one-token decode step of the default model in 72 ms against 110 ms for
+the best stock path and 119 ms for ``model.generate``'s (median of 15, after a 200-token prefill), so plain
+decode steps (K = 0) gain too.
 
 Which path wins for several rows depends on the CPU: on that AMD machine oneDNN won everywhere, on an Intel
 Xeon with AVX-512 stock MKL ran 2-3 rows through the whole model in about the time of one (37 vs 52 ms with
@@ -17,9 +20,9 @@ oneDNN, whose per-call overhead dominates the small layers), and oneDNN won only
 up. Neither reads the weights at memory speed for a few rows, so a fourth path is mtpflow's own kernel
 (``native_linear``: ``small_gemm.c``, compiled on first use), which on that Xeon ran 5 rows through the
 whole model in 36 ms against 49 ms for the best of the others and about 33 ms for one row. ``install`` times
-whole-model forwards of 2, 3, 5, 9 and 17 rows under four *plans* -- stock everywhere, packed everywhere,
+whole-model forwards of 1, 2, 3, 5, 9 and 17 rows under four *plans* -- stock everywhere, packed everywhere,
 packed on the largest linear (the LM head) only, native everywhere (where it could be built) -- and keeps
-the fastest per row count (about 12 s at first load for the default model); the choice is cached per CPU,
+the fastest per row count (about 15 s at first load for the default model); the choice is cached per CPU,
 torch build, thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``.
 
 How: ``install(model)`` turns every ``nn.Linear`` of the model into a ``PackedLinear`` (the same object with
@@ -52,11 +55,13 @@ AUTO_MAX_BYTES = 1024**3
 
 _active: contextvars.ContextVar[bool] = contextvars.ContextVar("mtpflow_packed_linear", default=False)
 
-# row counts timed by ``time_plans`` (1 + K for K = 1, 2, 4, 8, 16); a forward of r rows follows the plan of
-# the smallest entry >= r (the last one beyond it)
-ROW_BUCKETS = (2, 3, 5, 9, 17)
+# row counts timed by ``time_plans`` (1 + K for K = 0, 1, 2, 4, 8, 16); a forward of r rows follows the plan
+# of the smallest entry >= r (the last one beyond it)
+ROW_BUCKETS = (1, 2, 3, 5, 9, 17)
 # multi-row path: stock MKL, oneDNN everywhere, oneDNN on the largest only, the native kernel everywhere
 PLANS = ("stock", "packed", "head", "native")
+# where no timing chose (small or untimable models): one row stock, several rows oneDNN
+DEFAULT_PLANS = ("stock",) + ("packed",) * (len(ROW_BUCKETS) - 1)
 
 
 def available_plans() -> tuple[str, ...]:
@@ -84,17 +89,17 @@ def available() -> bool:
 
 
 class PackedLinear(torch.nn.Linear):
-    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, takes for several rows the path its
-    plan names for that row count (stock ``F.linear``, oneDNN over a packed weight, or the native kernel),
-    and for one row either stock ``F.linear`` or a product with a transposed copy of the weight, whichever
-    ``install`` timed faster on this machine (MKL's one-row path differs by weight layout)."""
+    """An ``nn.Linear`` whose float32 CPU forward, inside ``packed()``, takes the path its plan names for that
+    row count (stock ``F.linear``, oneDNN over a packed weight, or the native kernel); one row on the stock
+    path is either ``F.linear`` or a product with a transposed copy of the weight, whichever ``install`` timed
+    faster on this machine (MKL's one-row path differs by weight layout)."""
 
     _mtpflow_pack: tuple | None = None  # (weight version key, packed weight)
     _mtpflow_t: tuple | None = None  # (weight version key, weight.t().contiguous())
     _mtpflow_panels: tuple | None = None  # (weight version key, native_linear.pack_panels(weight))
     _mtpflow_one_row_transposed = False
     # per entry of ROW_BUCKETS, the path for that many rows: "stock" (F.linear), "packed" (oneDNN), "native"
-    _mtpflow_row_paths: tuple[str, ...] = ("packed",) * len(ROW_BUCKETS)
+    _mtpflow_row_paths: tuple[str, ...] = DEFAULT_PLANS
 
     def _key(self) -> tuple:
         w = self.weight
@@ -123,14 +128,12 @@ class PackedLinear(torch.nn.Linear):
         if not _active.get() or x.device.type != "cpu" or x.dtype != torch.float32 \
                 or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
-        if x.numel() == x.shape[-1]:  # one row
-            if not self._mtpflow_one_row_transposed:
-                return F.linear(x, self.weight, self.bias)
-            y = x @ self._transposed_weight()
-            return y if self.bias is None else y + self.bias
         rows = x.numel() // x.shape[-1]
         path = self._mtpflow_row_paths[_BUCKET_OF[rows] if rows < len(_BUCKET_OF) else -1]
         if path == "stock":
+            if rows == 1 and self._mtpflow_one_row_transposed:
+                y = x @ self._transposed_weight()
+                return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         if path == "native":
             if rows <= ROW_BUCKETS[-1]:
@@ -207,6 +210,8 @@ def drop_unused_copies(model: torch.nn.Module) -> None:
                 m._mtpflow_pack = None
             if "native" not in m._mtpflow_row_paths:
                 m._mtpflow_panels = None
+            if m._mtpflow_row_paths[0] != "stock":
+                m._mtpflow_t = None  # the transposed copy serves only one row on the stock path
 
 
 @torch.inference_mode()
@@ -271,9 +276,9 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
     (``time_plans``, about 12 s for the 135M default model on a 2-core CPU) and stored. Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
-    cannot be timed, keep oneDNN packed everywhere."""
+    cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several)."""
     if linear_bytes(model) < 4 << 20:
-        return ("packed",) * len(ROW_BUCKETS)
+        return DEFAULT_PLANS
     from mtpflow.model import read_measurement, write_measurement
 
     path = _plans_cache_path(model)
@@ -285,7 +290,7 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids
         timed = {}
     if not timed:
-        return ("packed",) * len(ROW_BUCKETS)
+        return DEFAULT_PLANS
     plans = tuple(min(timed[r], key=timed[r].get) for r in ROW_BUCKETS)
     write_measurement(path, {"plans": list(plans), "rows": list(ROW_BUCKETS),
                              "ms": {str(r): {p: round(1000 * v, 2) for p, v in timed[r].items()} for r in ROW_BUCKETS}})
@@ -317,8 +322,8 @@ def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margi
 
 
 def state(model: torch.nn.Module) -> str:
-    """"stock", or "packed" / "packed+t1" (with the transposed one-row path) followed by the multi-row plans
-    when they are not oneDNN everywhere (e.g. "packed+t1[stock,stock,head,head,head]"), and the native
+    """"stock", or "packed" / "packed+t1" (with the transposed one-row path) followed by the plans
+    per row count when they are not DEFAULT_PLANS (e.g. "packed+t1[stock,stock,stock,head,head,head]"), and the native
     kernels' version where a plan uses them: which linears a forward of ``model`` here would use; part of
     the verify-cost cache key."""
     mods = [m for m in model.modules() if isinstance(m, PackedLinear)] if _active.get() else []
@@ -326,7 +331,7 @@ def state(model: torch.nn.Module) -> str:
         return "stock"
     name = "packed+t1" if any(m._mtpflow_one_row_transposed for m in mods) else "packed"
     plans = getattr(model, "_mtpflow_linear_plans", None)
-    if plans and any(p != "packed" for p in plans):
+    if plans and tuple(plans) != DEFAULT_PLANS:
         name += "[" + ",".join(plans) + "]"
     if plans and "native" in plans and _native_version():
         name += " native:" + _native_version()  # a changed kernel is measured anew

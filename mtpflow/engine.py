@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import available_strategies, compose, to_container, validate
 from mtpflow.errors import UserError, check_int
-from mtpflow.kernels import cpu_linear
+from mtpflow.kernels import cpu_linear, openmp
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.kv_cache import KVPool
 from mtpflow.loop import Sequence, StepCallback, decode_step
@@ -317,6 +317,7 @@ class Engine:
             self._queue.append(handle)
             self._start_thread()
             self._lock.notify_all()
+        openmp.release_workers()  # this thread now mostly waits: its idle OpenMP workers would slow the engine's
         return handle
 
     def generate(self, requests: list[Request] | Request) -> list[DecodeResult]:
@@ -386,6 +387,8 @@ class Engine:
                 torch.inference_mode():
             while True:
                 with self._lock:
+                    if not (self._queue or self._running or self._closing):
+                        openmp.release_workers()  # idle: let a caller's own torch work spin at full speed
                     if not self._lock.wait_for(lambda: self._queue or self._running or self._closing,
                                                IDLE_EXIT_SECONDS):
                         self._thread = None  # idle: the thread ends (an unused engine can be collected);
