@@ -46,6 +46,9 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
+    """Per batch size: HF ``generate`` batched (left padding, greedy) over the suite, then every strategy
+    (without and with the batch-aware K) through one engine at that ``max_batch_size``. State shared across
+    requests is cleared before each setting, so every figure is for first-time requests."""
     import pandas as pd
     from tqdm import tqdm
 
@@ -88,6 +91,9 @@ def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
         bar.update()
         for name, batch_k in settings:
             engine.max_batch_size, engine.batch_k = b, batch_k
+            # first-time requests: what an earlier setting decoded must not sit in the suffix cache or the
+            # recycling table (mtp grafts both), or a later setting would draft the outputs it has seen
+            engine.shared.clear()
             t0 = time.perf_counter()
             handles = [engine.submit(Request(prompt_ids=p, strategy=name)) for p in prompts]
             results = [h.result() for h in handles]

@@ -147,3 +147,25 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), OmegaConf.from_dotlist(["strategies=pld", "classes=chat"]))
     bench.check_options(opts)  # one name without brackets is a list of one
     assert list(opts.strategies) == ["pld"] and list(opts.classes) == ["chat"]
+
+
+def test_batch_mode_measures_first_time_requests(tiny_dir, tmp_path):
+    """mode=batch: HF batched and each strategy per batch size, outputs identical to HF batch-1 greedy; every
+    setting starts with empty shared caches, so ``suffix_cache`` drafts no more at its second setting (with the
+    batch-aware K) than a first-time request allows."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "class": "a", "prompt": p}) for i, p in enumerate(
+        ["one two three four five six", "def add(a, b): return a + b", "a b a b a b a b"])))
+    out = tmp_path / "out"
+    code = bench.main([f"model={tiny_dir}", "mode=batch", f"prompts={prompts}",
+                       "strategies=[baseline,suffix_cache]", "batch_sizes=[1,2]", "max_new_tokens=16",
+                       "overrides=[chat=false]", f"out={out}"])
+    assert code == 0
+    table = pd.read_csv(out / "batch_summary.csv")
+    assert set(table["batch_size"]) == {1, 2}
+    assert set(table["setting"]) == {"hf_generate", "baseline", "suffix_cache", "suffix_cache+batch_k"}
+    engine_rows = table[table["setting"] != "hf_generate"]
+    assert (engine_rows["identical_to_hf"] == 1.0).all()
+    first = table[(table["setting"] == "suffix_cache") & (table["batch_size"] == 1)]["mal"].iloc[0]
+    # the same prompts again at batch 2 (and with batch K) would draft whole outputs from a kept cache
+    assert table[table["setting"].str.startswith("suffix_cache")]["mal"].max() < first + 1.0
