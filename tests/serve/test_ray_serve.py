@@ -265,6 +265,17 @@ def running_by_pid(metrics: str) -> dict[int, float]:
             re.findall(r'^mtpflow_server_requests_running\{pid="(\d+)"\} (\S+)$', metrics, re.M)}
 
 
+def completed_by_pid(metrics: str) -> dict[int, float]:
+    """Runs each replica process has completed (its trace database's count, joined to its pid by rank)."""
+    rank_of = {r: int(p) for p, r in re.findall(r'^mtpflow_server_replica_info\{pid="(\d+)",replica="(\d+)"', metrics, re.M)}
+    done: dict[int, float] = collections.Counter()
+    for rank, value in re.findall(r'^mtpflow_runs_total\{replica="(\d+)",status="complete",strategy="\w+"\} (\S+)$',
+                                  metrics, re.M):
+        if rank in rank_of:
+            done[rank_of[rank]] += float(value)
+    return done
+
+
 class RayServer:
     """``python -m mtpflow.serve --ray ...`` in its own session (so the test can end every process it started)."""
 
@@ -381,12 +392,14 @@ def test_two_replicas_survive_a_killed_replica(tmp_path):
         threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(8)]
         for t in threads:
             t.start()
-        # mid-load: once some answers are in, kill a replica that has requests in its running batch
+        # mid-load: once some answers are in, kill a replica that has requests in its running batch and has
+        # already completed some (so the test can see that a dead replica's counts stay in the sums)
         victim, in_flight, deadline = None, 0.0, time.time() + 300
         while victim is None and time.time() < deadline and any(t.is_alive() for t in threads):
             if len(results) >= 4:
-                running = running_by_pid(httpx.get(f"{server.url}/metrics", timeout=30).text)
-                busy = [pid for pid in before if running.get(pid, 0) > 0]
+                metrics = httpx.get(f"{server.url}/metrics", timeout=30).text
+                running, completed = running_by_pid(metrics), completed_by_pid(metrics)
+                busy = [pid for pid in before if running.get(pid, 0) > 0 and completed.get(pid, 0) > 0]
                 if busy:
                     victim, in_flight = busy[0], running[busy[0]]
                     os.kill(victim, signal.SIGKILL)
