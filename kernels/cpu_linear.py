@@ -274,7 +274,7 @@ def _native_version() -> str:
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
-    (``time_plans``, about 12 s for the 135M default model on a 2-core CPU) and stored. Models too small for
+    (``time_plans``, about 15 s for the 135M default model on a 2-core CPU) and stored. Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
     cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several)."""
     if linear_bytes(model) < 4 << 20:
@@ -329,7 +329,8 @@ def state(model: torch.nn.Module) -> str:
     mods = [m for m in model.modules() if isinstance(m, PackedLinear)] if _active.get() else []
     if not mods:
         return "stock"
-    name = "packed+t1" if any(m._mtpflow_one_row_transposed for m in mods) else "packed"
+    transposed = any(m._mtpflow_one_row_transposed and m._mtpflow_row_paths[0] == "stock" for m in mods)
+    name = "packed+t1" if transposed else "packed"
     plans = getattr(model, "_mtpflow_linear_plans", None)
     if plans and tuple(plans) != DEFAULT_PLANS:
         name += "[" + ",".join(plans) + "]"
