@@ -4,13 +4,14 @@ Why: torch's CPU ops and the native linear (``small_gemm.c``) run their parallel
 gives every thread that starts a parallel region its own team of worker threads, kept for the thread's
 life. The engine decodes in its own thread while the caller (a script's main thread that loaded the model,
 ran ``model.generate``, ...) waits; the caller's idle workers still count as threads libgomp manages, and
-once they outnumber the CPUs libgomp throttles how long every worker spins before it sleeps (from ~3 ms to
-100 spins), so the decoding thread's workers fall asleep between the ~250 parallel regions of a forward and
-are woken by the kernel each time. On the 2-core AMD host that made a batch-1 decode in the engine thread
-8-15% slower than the same loop in the main thread (``scripts/probe_openmp.py``).
+once they outnumber the CPUs libgomp throttles how long every worker spins before it sleeps (``do_spin``
+takes its throttled spin count), so the decoding thread's workers fall asleep between the parallel regions of a
+forward (211 native linear calls for the default model, plus torch's own) and are woken each time. On the
+2-core AMD host 60 one-row native linears took 13.2 ms in a second thread against 12.1 ms in the main thread,
+and 12.2 ms once the main thread had released its workers (``python scripts/probe_openmp.py 8``, medians).
 
 How: ``release_workers()`` calls ``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0), which ends the
-calling thread's pool; libgomp starts a new one at the thread's next parallel region (a few microseconds).
+calling thread's pool; libgomp starts a new one (new worker threads) at the thread's next parallel region.
 The engine calls it in the caller's thread before that thread blocks on a result, and in its own thread when
 it goes idle. Only a libgomp that is already loaded is used (torch loads one); with none, or an older one
 without the call, it does nothing.

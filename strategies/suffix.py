@@ -13,7 +13,6 @@ import math
 import threading
 from typing import Any
 
-
 from mtpflow.cost_model import DecayedAcceptance
 from mtpflow.errors import ConfigError, check_int, check_range
 from mtpflow.hookspecs import hookimpl

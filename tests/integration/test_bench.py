@@ -100,7 +100,6 @@ def test_variants_first_time_and_repeated_requests(tiny_dir, tmp_path):
     assert again["mal"].min() > first["mal"].max()
 
 
-
 def test_cost_mode_end_to_end(tiny_dir, tmp_path):
     code = bench.main([f"model={tiny_dir}", "mode=cost", "cost_ks=[0,1,4]", "cost_context=16", f"out={tmp_path}"])
     assert code == 0

@@ -1,27 +1,41 @@
 """Releasing a waiting thread's OpenMP workers (mtpflow.kernels.openmp) and where the engine does it."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
+import pytest
 import torch
 
 from helpers import make_pipeline, tiny_loaded
 from mtpflow.kernels import openmp
 
 
-def test_release_then_parallel_work_is_unchanged():
-    x = torch.randn(512, 512)
-    ref = x @ x  # a parallel region: this thread now has a worker pool
-    released = openmp.release_workers()
-    assert released == openmp.available()  # torch on Linux loads libgomp; elsewhere it is a no-op
-    assert torch.equal(x @ x, ref)  # the next region starts a new pool
-    out = []
-    worker = threading.Thread(target=lambda: out.append(openmp.release_workers() == openmp.available() and
-                                                        torch.equal(x @ x, ref)))
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not openmp.available() or not os.path.isdir("/proc/self/task") or torch.get_num_threads() < 2,
+                    reason="needs libgomp, /proc and at least 2 torch threads")
+def test_release_ends_the_calling_threads_workers_and_work_goes_on():
+    x = torch.randn(1 << 22)
+    ref = (x * 2).sum()
+    out = {}
+
+    def body():  # a fresh thread: its first parallel region starts its own worker pool
+        out["before"] = _threads()
+        (x * 2).sum()
+        out["with_pool"] = _threads()
+        out["released"] = openmp.release_workers()
+        out["after"] = _threads()
+        out["same"] = torch.equal((x * 2).sum(), ref)  # the next region starts a new pool
+
+    worker = threading.Thread(target=body)
     worker.start()
     worker.join()
-    assert out == [True]
+    assert out["released"] and out["same"], out
+    assert out["with_pool"] > out["before"] and out["after"] == out["before"], out  # the workers are gone
 
 
 def test_switched_off_by_the_environment(monkeypatch):
