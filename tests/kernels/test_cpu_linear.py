@@ -126,7 +126,7 @@ def test_install_applies_the_timed_one_row_choice_to_every_layer(monkeypatch, fa
 
 def test_multi_row_plans_pick_the_path_per_row_count():
     model = make_tiny_model(64, layers=1)
-    cpu_linear.install(model, plans=("native", "stock", "head", "packed", "packed", "packed"))
+    cpu_linear.install(model, plans=("native", "stock", "head", "packed", "packed", "packed", "native"))
     layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     largest = max(layers, key=lambda m: m.weight.numel())
     x2, x3 = torch.randn(1, 2, largest.in_features), torch.randn(1, 3, largest.in_features)
@@ -138,14 +138,18 @@ def test_multi_row_plans_pick_the_path_per_row_count():
         other = next(m for m in layers if m is not largest)
         other(torch.randn(1, 3, other.in_features))
         assert other._mtpflow_pack is None  # ...and the others stay stock
-        assert "[native,stock,head,packed,packed,packed]" in cpu_linear.state(model)
+        assert "[native,stock,head,packed,packed,packed,native]" in cpu_linear.state(model)
         if native_linear.available():  # one row, "native": the native kernel (no transposed copy)
             x1 = torch.randn(1, 1, largest.in_features)
             torch.testing.assert_close(largest(x1), F.linear(x1, largest.weight, largest.bias), rtol=1e-5, atol=1e-5)
             assert largest._mtpflow_t is None
-    assert [cpu_linear.bucket(r) for r in (1, 2, 3, 4, 5, 9, 10, 17, 300)] == [0, 1, 2, 3, 3, 4, 5, 5, 5]
+            # a prompt's prefill (beyond 17 rows) follows the last bucket's plan: native here, not MKL
+            x40 = torch.randn(1, 40, largest.in_features)
+            torch.testing.assert_close(largest(x40), F.linear(x40, largest.weight, largest.bias), rtol=1e-5, atol=1e-5)
+            assert largest._mtpflow_panels is not None
+    assert [cpu_linear.bucket(r) for r in (1, 2, 3, 4, 5, 9, 10, 17, 18, 64, 300)] == [0, 1, 2, 3, 3, 4, 5, 5, 6, 6, 6]
     with pytest.raises(ValueError, match="plans"):
-        cpu_linear.apply_plans(model, ("fast",) * 6)
+        cpu_linear.apply_plans(model, ("fast",) * 7)
 
 
 def test_plans_are_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
@@ -156,7 +160,7 @@ def test_plans_are_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
     fake = {r: {"stock": 1.0, "packed": 2.0, "head": 0.5 if r > 3 else 3.0} for r in cpu_linear.ROW_BUCKETS}
     calls = []
     monkeypatch.setattr(cpu_linear, "time_plans", lambda m: calls.append(m) or fake)
-    expected = ("stock", "stock", "stock", "head", "head", "head")
+    expected = ("stock", "stock", "stock", "head", "head", "head", "head")
     assert cpu_linear.load_plans(model) == expected and len(calls) == 1
     assert cpu_linear.load_plans(model) == expected and len(calls) == 1  # cached on disk
     (cached,) = (tmp_path / "cpu_linear").glob("*.json")
@@ -166,14 +170,14 @@ def test_plans_are_timed_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
 def test_time_plans_runs_every_plan_and_restores_the_model():
     model = make_tiny_model(64, layers=1)
-    cpu_linear.install(model, plans=("stock",) * 6)
+    cpu_linear.install(model, plans=("stock",) * 7)
     timed = cpu_linear.time_plans(model, repeats=1)
     assert set(timed) == set(cpu_linear.ROW_BUCKETS)
     assert all(set(v) == set(cpu_linear.available_plans()) and min(v.values()) > 0 for v in timed.values())
-    assert model._mtpflow_linear_plans == ("stock",) * 6
+    assert model._mtpflow_linear_plans == ("stock",) * 7
     layers = [m for m in model.modules() if isinstance(m, cpu_linear.PackedLinear)]
     assert all(m._mtpflow_pack is None and m._mtpflow_panels is None for m in layers)  # timing copies freed
-    cpu_linear.apply_plans(model, ("packed",) * 6)
+    cpu_linear.apply_plans(model, ("packed",) * 7)
     cpu_linear.time_plans(model, repeats=1)
     assert all(m._mtpflow_pack is not None and m._mtpflow_panels is None and m._mtpflow_t is None
                for m in layers)  # in use: kept; the transposed one-row copy is for the stock path only

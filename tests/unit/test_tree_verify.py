@@ -67,3 +67,25 @@ def test_oracle_chains_match_hf(tiny):
         result = make_pipeline(tiny, "baseline", "max_new_tokens=40", "k=6")(prompt_ids=ids, extra_plugins=(oracle,))
         assert result.token_ids == reference
         assert result.stats["mal"] > 2.0
+
+
+def test_prefill_sends_only_the_last_row_through_the_lm_head(tiny):
+    """A prompt's prefill needs the next token's logits only: the LM head sees one row, the logits equal the
+    last row of a full forward, and the cache holds the whole prompt."""
+    from mtpflow.target import Target
+
+    model = tiny.model
+    prompt = torch.tensor([5, 9, 12, 40, 7, 3, 18])
+    head_rows = []
+    handle = model.get_output_embeddings().register_forward_hook(
+        lambda mod, args, out: head_rows.append(args[0].shape[-2]))
+    try:
+        t = Target(model)
+        logits, _ = t.prefill(prompt)
+    finally:
+        handle.remove()
+    assert head_rows == [1] and logits.shape == (1, model.config.vocab_size)
+    with torch.inference_mode():
+        full = model(input_ids=prompt[None]).logits[0, -1]
+    torch.testing.assert_close(logits[0], full, rtol=1e-5, atol=1e-5)
+    assert t.cache_len == prompt.numel()
