@@ -237,7 +237,8 @@ class Engine:
         self._step_listeners: list[Callable[[int, int], None]] = []
         self._strategy_lock = threading.Lock()
         self.steps = 0
-        self.batch_k = str(cfg.get("batch_k", "auto"))
+        batch_k = cfg.get("batch_k", "auto")
+        self.batch_k = "off" if batch_k is False else str(batch_k)  # YAML reads a bare off as false
         if self.batch_k not in ("auto", "off"):
             raise UserError(f"batch_k must be auto or off, got {self.batch_k!r}")
         self._batch_costs = None  # BatchCostModel, measured (or read from the cache) at the first batched step

@@ -18,7 +18,7 @@ the way mtpflow finds it; ``--model DIR`` overrides. Prompts: the ``prompt`` fie
 ``--num-prompts`` lines of ``mtpflow/data/bench_prompts.jsonl`` (default: all 32, the list mode=batch uses,
 in file order, no repetition), rendered with the tokenizer's chat template (one user message,
 add_generation_prompt=True, no system message), as mtpflow does. Greedy, ``ignore_eos`` so every request
-makes exactly ``--max-tokens`` tokens. Batch B > 1: all prompts go to one ``generate`` call and vLLM runs at
+makes exactly ``--max-tokens`` tokens (``--stop-at-eos``: each ends at its EOS, as in mtpflow's bench). Batch B > 1: all prompts go to one ``generate`` call and vLLM runs at
 most B at a time (``max_num_seqs=B``: continuous batching like mtpflow's engine with max_batch_size=B);
 batch 1: one ``generate`` per prompt, one after another. The timed run follows a warm-up ``generate``.
 Prints one JSON line per run.
@@ -155,6 +155,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--eager", action="store_true", help="enforce_eager=True (skip torch.compile: faster start)")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--stop-at-eos", action="store_true",
+                   help="end a request at its EOS, as mtpflow's bench does (default: ignore_eos, exactly --max-tokens)")
     p.add_argument("--processes", choices=["one", "mp"], default="one",
                    help="one: engine and worker in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, uni executor), "
                         "mp: vLLM's default front-end + engine-core + worker processes")
@@ -193,7 +195,7 @@ def main(argv=None) -> int:
               speculative_config=speculative_config(args),
               distributed_executor_backend="uni" if args.processes == "one" else "mp")
     load_seconds = time.perf_counter() - t_load
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=not args.stop_at_eos)
     as_inputs = [{"prompt_token_ids": ids} for ids in prompt_ids]
 
     if not args.no_warmup:
@@ -222,7 +224,7 @@ def main(argv=None) -> int:
         "max_tokens": args.max_tokens,
         "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
         "load_seconds": round(load_seconds, 1), "threads": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
-        "eager": args.eager, "processes": args.processes,
+        "eager": args.eager, "processes": args.processes, "stop_at_eos": args.stop_at_eos,
     }
     if args.batch == 1:
         row["per_stream_tokens_per_s_mean"] = round(sum(per_stream) / len(per_stream), 2)

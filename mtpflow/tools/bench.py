@@ -324,6 +324,8 @@ def check_options(opts) -> None:
         check_int("cost_ks", k, 0)
     for b in opts.batch_sizes:
         check_int("batch_sizes", b, 1, 256)
+    # a YAML 1.1 parser reads a bare ``off`` as false: take it as the word it was
+    opts.batch_k = ["off" if k is False else k for k in opts.batch_k]
     if any(k not in ("off", "auto") for k in opts.batch_k):
         raise ConfigError(f"batch_k takes off and/or auto, got {list(opts.batch_k)}")
 

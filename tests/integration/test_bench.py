@@ -146,6 +146,9 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), OmegaConf.from_dotlist(["strategies=pld", "classes=chat"]))
     bench.check_options(opts)  # one name without brackets is a list of one
     assert list(opts.strategies) == ["pld"] and list(opts.classes) == ["chat"]
+    opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), OmegaConf.from_dotlist(["batch_k=[off]"]))
+    bench.check_options(opts)  # YAML reads a bare off as false: still the setting "off"
+    assert list(opts.batch_k) == ["off"]
 
 
 def test_batch_mode_measures_first_time_requests(tiny_dir, tmp_path):
