@@ -14,6 +14,7 @@ import time
 
 import torch
 
+from mtpflow import forward as lean_forward
 from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
 from mtpflow.types import Draft, Verification
 
@@ -92,20 +93,20 @@ class Target:
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor | None,
                  last_only: bool = False):
         cache = self.kv.view()
-        extra = {"logits_to_keep": 1} if last_only and takes_logits_to_keep(self.model) else {}
-        out = self.model(
-            input_ids=input_ids.to(self.device)[None],
-            position_ids=(position_ids - self.position_shift).to(self.device)[None],
-            attention_mask=None if mask is None else mask.to(self.device, self.model.dtype),
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=self.need_hidden,
-            **extra,
-        )
+        ids = input_ids.to(self.device)[None]
+        positions = (position_ids - self.position_shift).to(self.device)[None]
+        mask = None if mask is None else mask.to(self.device, self.model.dtype)
+        if lean_forward.supports(self.model):
+            logits, hidden = lean_forward.forward(self.model, ids, positions, mask, cache, self.need_hidden,
+                                                  logits_to_keep=1 if last_only else 0)
+        else:
+            extra = {"logits_to_keep": 1} if last_only and takes_logits_to_keep(self.model) else {}
+            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                             output_hidden_states=self.need_hidden, **extra)
+            logits, hidden = out.logits, (out.hidden_states[-1] if self.need_hidden else None)
         self.kv.length = cache.layers[0].length
         self.forwards += 1
-        hidden = out.hidden_states[-1][0].float() if self.need_hidden else None
-        return out.logits[0].float(), hidden
+        return logits[0].float(), (hidden[0].float() if hidden is not None else None)
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, start_position: int = 0):
@@ -203,11 +204,16 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         positions[slot, 1:n] = base + draft.depths()
     mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
-    out = model(input_ids=input_ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
-                cache=cache, use_cache=True, output_hidden_states=need_hidden)
+    if lean_forward.supports(model):
+        logits, hidden = lean_forward.forward(model, input_ids.to(device), positions.to(device), mask.to(device),
+                                              cache, need_hidden)
+    else:
+        out = model(input_ids=input_ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
+                    cache=cache, use_cache=True, output_hidden_states=need_hidden)
+        logits, hidden = out.logits, (out.hidden_states[-1] if need_hidden else None)
     seconds = time.perf_counter() - t0
-    logits = out.logits.float()
-    hidden = out.hidden_states[-1].float() if need_hidden else None
+    logits = logits.float()
+    hidden = hidden.float() if hidden is not None else None
     results = []
     for target, n in zip(targets, sizes):
         slot = target.kv.slot

@@ -1,0 +1,109 @@
+"""The lean Llama forward (``mtpflow.forward``) computes what HF's forward computes, over the KV pool's views:
+prefill, one row, a chain after a cache, and a batch with its 4D mask; greedy decoding through it stays
+identical to HF ``generate``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import hf_greedy, make_pipeline, make_tiny_model
+from mtpflow import forward as lean
+from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
+
+
+@pytest.fixture()
+def model():
+    return make_tiny_model(96, layers=3)
+
+
+def run_both(model, fn):
+    """fn(use_lean) on two fresh pools; returns both results."""
+    return fn(True), fn(False)
+
+
+def hf_or_lean(model, use_lean, ids, positions, mask, cache, need_hidden=True, keep=0):
+    if use_lean:
+        return lean.forward(model, ids, positions, mask, cache, need_hidden, logits_to_keep=keep)
+    extra = {"logits_to_keep": keep} if keep else {}
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
+                output_hidden_states=need_hidden, **extra)
+    return out.logits, out.hidden_states[-1]
+
+
+def test_supported_models():
+    model = make_tiny_model(32, layers=1)
+    assert model.config._attn_implementation == "sdpa" and lean.supports(model)
+    eager = make_tiny_model(32, layers=1)
+    eager.config._attn_implementation = "eager"
+    assert not lean.supports(eager)  # another attention: HF's own forward
+
+
+def test_env_switch_turns_it_off(monkeypatch):
+    monkeypatch.setenv("MTPFLOW_LEAN_FORWARD", "0")
+    assert not lean.supports(make_tiny_model(32, layers=1))
+
+
+@torch.inference_mode()
+def test_prefill_then_rows_match_hf(model):
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 96, (1, 11), generator=g)
+    chain = torch.randint(1, 96, (1, 4), generator=g)
+
+    def run(use_lean):
+        pool = KVPool(model, max_slots=1)
+        seq = SequenceKV(pool)
+        cache = seq.view()
+        outs = [hf_or_lean(model, use_lean, prompt, torch.arange(11)[None], None, cache)]
+        seq.length = cache.layers[0].length
+        cache = seq.view()
+        outs.append(hf_or_lean(model, use_lean, chain[:, :1], torch.tensor([[11]]), None, cache))  # one row
+        seq.length = cache.layers[0].length
+        cache = seq.view()
+        outs.append(hf_or_lean(model, use_lean, chain, torch.arange(12, 16)[None], None, cache))  # a chain
+        cache = seq.view()
+        outs.append(hf_or_lean(model, use_lean, chain, torch.arange(12, 16)[None], None, cache, keep=1))
+        return outs
+
+    mine, theirs = run_both(model, run)
+    for (la, ha), (lb, hb) in zip(mine, theirs):
+        torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(ha, hb, rtol=1e-6, atol=1e-6)
+    assert mine[-1][0].shape[1] == 1  # logits_to_keep
+
+
+@torch.inference_mode()
+def test_batch_with_a_4d_mask_matches_hf(model):
+    g = torch.Generator().manual_seed(1)
+    lengths = [7, 3, 12]
+
+    def run(use_lean):
+        pool = KVPool(model, max_slots=3)
+        seqs = [SequenceKV(pool) for _ in lengths]
+        for seq, n in zip(seqs, lengths):
+            g.manual_seed(n)
+            cache = seq.view()
+            model(input_ids=torch.randint(1, 96, (1, n), generator=g), cache=cache, use_cache=True)
+            seq.length = cache.layers[0].length
+        q = 3
+        cache = BatchCache(pool, lengths, q)
+        allowed = torch.zeros(3, q, cache.kv_length, dtype=torch.bool)
+        for b, n in enumerate(lengths):
+            allowed[b, :, :n] = True
+            allowed[b, :, n:n + q] = torch.tril(torch.ones(q, q, dtype=torch.bool))
+        mask = torch.zeros(3, 1, q, cache.kv_length).masked_fill_(~allowed[:, None], torch.finfo(torch.float32).min)
+        ids = torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]])
+        positions = torch.tensor(lengths)[:, None] + torch.arange(q)[None]
+        return hf_or_lean(model, use_lean, ids, positions, mask, cache)
+
+    (la, ha), (lb, hb) = run_both(model, run)
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(ha, hb, rtol=1e-6, atol=1e-6)
+
+
+def test_greedy_through_the_lean_forward_equals_hf(tiny):
+    prompt = [5, 17, 23, 8, 42, 11, 9]
+    for strategy in ("baseline", "pld"):
+        pipe = make_pipeline(tiny, strategy, "max_new_tokens=24", "trace=off")
+        assert lean.supports(pipe.loaded.model)
+        result = pipe(prompt_ids=prompt)
+        assert result.token_ids == hf_greedy(tiny.model, prompt, 24), strategy
