@@ -22,8 +22,9 @@ up. Neither reads the weights at memory speed for a few rows, so a fourth path i
 whole model in 36 ms against 49 ms for the best of the others and about 33 ms for one row. ``install`` times
 whole-model forwards of 1, 2, 3, 5, 9, 17 and 64 rows under four *plans* -- stock everywhere, packed
 everywhere, packed on the largest linear (the LM head) only, native everywhere (where it could be built) --
-and keeps the fastest per row count (15-20 s at first load for the default model); the choice is cached per
-CPU, torch build, thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``. The 64-row entry
+and keeps the fastest per row count (13 s at first load for the default model on the AVX-512 EPYC host);
+the choice is cached per CPU, torch build, thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``.
+The 64-row entry
 covers every larger forward too (a prompt's prefill, a wide batched verify): on a 2-core AMD EPYC with
 AVX-512 (Zen 5), MKL ran 64-128 rows at about 200 GFLOP/s and oneDNN and the native kernel at 420-490, so a
 64-row forward of the default model took 136 ms stock, 67 packed, 59 native.
@@ -275,7 +276,7 @@ def _native_version() -> str:
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
-    (``time_plans``, about 15 s for the 135M default model on a 2-core CPU) and stored. Models too small for
+    (``time_plans``, 13-15 s for the 135M default model on a 2-core CPU) and stored. Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
     cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several)."""
     if linear_bytes(model) < 4 << 20:
