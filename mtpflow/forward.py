@@ -6,17 +6,20 @@ is Python per layer and per call (output capture, kwarg-deprecation and config-d
 builder, the attention-interface lookup), paid on every verify forward. This forward walks the model's own
 modules layer by layer and calls the same operations in the same order, so the numbers are the ones HF's
 forward computes (tested: identical logits and hidden states on tiny Llama models, identical greedy outputs);
-only the glue is gone.
+only the glue is gone. One operation differs in how, not in what: attention over several query rows uses
+SDPA's own grouped-query support instead of HF's copy of every key and value head (``repeat_kv``), which gave
+bit-identical outputs and took 25-40% less time for 4-17 rows over 150-400 cached entries.
 
 Used by ``mtpflow.target`` for every forward over the KV pool (prefill, a sequence's own verify, the batch's
-verify) when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention and plain (default) RoPE, on any
-device. Other architectures (Gemma 3, ...), or ``MTPFLOW_LEAN_FORWARD=0``, take ``model(...)`` as before.
+verify) when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention and SiLU MLPs, on any device (the
+rotary embedding is the model's own module, so its RoPE scaling applies). Other architectures (Gemma 3, ...), or ``MTPFLOW_LEAN_FORWARD=0``, take ``model(...)`` as before.
 """
 from __future__ import annotations
 
 import os
 
 import torch
+import torch.nn.functional as F
 
 SUPPORTED = ("LlamaForCausalLM",)
 
@@ -104,7 +107,14 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
         key, value = cache.update(key, value, attn.layer_idx)
         if attention_mask is None and mask is None and q > 1:
             mask = _causal_mask(q, key.shape[2], h.device)
-        out, _ = sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
+        if q > 1 and getattr(attn, "num_key_value_groups", 1) > 1:
+            # several query rows (a prefill, a chain, a tree): SDPA's own GQA instead of HF's repeat_kv copy of
+            # the keys and values (bit-identical here, 25-40% less time for 4-17 rows over 150-400 entries)
+            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0,
+                                                 is_causal=mask is None, scale=attn.scaling, enable_gqa=True)
+            out = out.transpose(1, 2).contiguous()
+        else:
+            out, _ = sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
         h = residual + attn.o_proj(out.reshape(b, q, -1).contiguous())
         residual = h
         x = _rms_norm(layer.post_attention_layernorm, h)
