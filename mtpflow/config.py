@@ -119,6 +119,18 @@ def stop_strings(cfg: DictConfig) -> tuple[str, ...]:
     return tuple(str(s) for s in items)
 
 
+BATCH_K = ("auto", "off")
+
+
+def check_batch_k(value) -> str:
+    """The engine's batch-aware K setting, ``auto`` or ``off``; a YAML 1.1 reader turns a bare ``off`` into
+    false, which means ``off`` here."""
+    word = "off" if value is False else str(value)
+    if word not in BATCH_K:
+        raise ConfigError(f"batch_k must be auto or off, got {value!r}")
+    return word
+
+
 def validate(cfg: DictConfig) -> None:
     """Check user-facing values (raises ConfigError with one line)."""
     if cfg.output not in ("text", "json"):

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtpflow.config import available_strategies, compose, to_container, validate
+from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
 from mtpflow.errors import UserError, check_int
 from mtpflow.kernels import cpu_linear, openmp
 from mtpflow.kernels.dispatch import use_backend
@@ -237,10 +237,7 @@ class Engine:
         self._step_listeners: list[Callable[[int, int], None]] = []
         self._strategy_lock = threading.Lock()
         self.steps = 0
-        batch_k = cfg.get("batch_k", "auto")
-        self.batch_k = "off" if batch_k is False else str(batch_k)  # YAML reads a bare off as false
-        if self.batch_k not in ("auto", "off"):
-            raise UserError(f"batch_k must be auto or off, got {self.batch_k!r}")
+        self.batch_k = check_batch_k(cfg.get("batch_k", "auto"))
         self._batch_costs = None  # BatchCostModel, measured (or read from the cache) at the first batched step
         atexit.register(_stop_at_exit, weakref.ref(self))  # end the decode thread before the interpreter does
 

@@ -8,8 +8,6 @@ rolling back a rejected draft costs nothing, and the model never runs again.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 
 import torch
@@ -43,19 +41,6 @@ def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.floa
     mask = torch.zeros(n, cached_len + n, dtype=dtype)
     mask[:, cached_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
     return mask[None, None]
-
-
-@functools.lru_cache(maxsize=None)
-def _forward_takes(cls: type, name: str) -> bool:
-    try:
-        return name in inspect.signature(cls.forward).parameters
-    except (TypeError, ValueError):
-        return False
-
-
-def takes_logits_to_keep(model) -> bool:
-    """Whether ``model``'s forward computes logits for only its last rows (HF's ``logits_to_keep``)."""
-    return _forward_takes(type(model), "logits_to_keep")
 
 
 class Target:
@@ -96,14 +81,8 @@ class Target:
         ids = input_ids.to(self.device)[None]
         positions = (position_ids - self.position_shift).to(self.device)[None]
         mask = None if mask is None else mask.to(self.device, self.model.dtype)
-        if lean_forward.supports(self.model):
-            logits, hidden = lean_forward.forward(self.model, ids, positions, mask, cache, self.need_hidden,
-                                                  logits_to_keep=1 if last_only else 0)
-        else:
-            extra = {"logits_to_keep": 1} if last_only and takes_logits_to_keep(self.model) else {}
-            out = self.model(input_ids=ids, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True,
-                             output_hidden_states=self.need_hidden, **extra)
-            logits, hidden = out.logits, (out.hidden_states[-1] if self.need_hidden else None)
+        logits, hidden = lean_forward.run(self.model, ids, positions, mask, cache, self.need_hidden,
+                                          logits_to_keep=1 if last_only else 0)
         self.kv.length = cache.layers[0].length
         self.forwards += 1
         return logits[0].float(), (hidden[0].float() if hidden is not None else None)
@@ -112,8 +91,7 @@ class Target:
     def prefill(self, tokens: torch.Tensor, start_position: int = 0):
         """Run the prompt into the cache. Returns (logits [1, vocab] of the last row only, hidden [len, h]).
 
-        Only the last row goes through the LM head (``logits_to_keep=1`` where the model takes it): for a
-        60-token prompt of the default model that is most of a forward's worth of LM-head work saved."""
+        Only the last row goes through the LM head (``logits_to_keep=1`` where the model takes it)."""
         positions = torch.arange(start_position, start_position + tokens.numel())
         logits, hidden = self._forward(tokens, positions, None, last_only=True)
         return logits[-1:], hidden
@@ -204,13 +182,8 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         positions[slot, 1:n] = base + draft.depths()
     mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
-    if lean_forward.supports(model):
-        logits, hidden = lean_forward.forward(model, input_ids.to(device), positions.to(device), mask.to(device),
-                                              cache, need_hidden)
-    else:
-        out = model(input_ids=input_ids.to(device), position_ids=positions.to(device), attention_mask=mask.to(device),
-                    cache=cache, use_cache=True, output_hidden_states=need_hidden)
-        logits, hidden = out.logits, (out.hidden_states[-1] if need_hidden else None)
+    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask.to(device), cache,
+                                      need_hidden)
     seconds = time.perf_counter() - t0
     logits = logits.float()
     hidden = hidden.float() if hidden is not None else None

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from mtpflow.config import check_batch_k
 from mtpflow.errors import ConfigError, UserError, check_int, writable_folder
 
 DEFAULTS = {
@@ -324,10 +325,7 @@ def check_options(opts) -> None:
         check_int("cost_ks", k, 0)
     for b in opts.batch_sizes:
         check_int("batch_sizes", b, 1, 256)
-    # a YAML 1.1 parser reads a bare ``off`` as false: take it as the word it was
-    opts.batch_k = ["off" if k is False else k for k in opts.batch_k]
-    if any(k not in ("off", "auto") for k in opts.batch_k):
-        raise ConfigError(f"batch_k takes off and/or auto, got {list(opts.batch_k)}")
+    opts.batch_k = [check_batch_k(k) for k in opts.batch_k]
 
 
 def main(argv=None) -> int:

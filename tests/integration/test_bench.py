@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from helpers import make_tiny_model, make_tiny_tokenizer
 from mtpflow.tools import bench
-from mtpflow.errors import UserError
+from mtpflow.errors import ConfigError, UserError
 
 
 def test_shipped_suite_has_four_classes_of_prompts():
@@ -149,6 +149,9 @@ def test_options_are_checked_before_the_model_loads(tmp_path, capsys):
     opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), OmegaConf.from_dotlist(["batch_k=[off]"]))
     bench.check_options(opts)  # YAML reads a bare off as false: still the setting "off"
     assert list(opts.batch_k) == ["off"]
+    opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), OmegaConf.from_dotlist(["batch_k=[auto,sometimes]"]))
+    with pytest.raises(ConfigError, match="batch_k must be auto or off, got 'sometimes'"):
+        bench.check_options(opts)  # the engine's own check (mtpflow.config.check_batch_k)
 
 
 def test_batch_mode_measures_first_time_requests(tiny_dir, tmp_path):

@@ -35,7 +35,14 @@ def test_supported_models():
     assert model.config._attn_implementation == "sdpa" and lean.supports(model)
     eager = make_tiny_model(32, layers=1)
     eager.config._attn_implementation = "eager"
-    assert not lean.supports(eager)  # another attention: HF's own forward
+    assert not lean.supports(eager)  # another attention: HF's own forward...
+    pool = KVPool(eager, max_slots=1)
+    ids = torch.tensor([[3, 7, 9, 11]])
+    with torch.inference_mode():
+        logits, hidden = lean.run(eager, ids, torch.arange(4)[None], None, SequenceKV(pool).view(), True, 1)
+        full = eager(input_ids=ids, output_hidden_states=True)
+    assert logits.shape[1] == 1 and torch.allclose(logits[0, -1], full.logits[0, -1], atol=1e-6)  # ...through run
+    assert torch.allclose(hidden, full.hidden_states[-1], atol=1e-6)
 
 
 def test_env_switch_turns_it_off(monkeypatch):
@@ -66,8 +73,7 @@ def test_prefill_then_rows_match_hf(model):
 
     mine, theirs = run_both(model, run)
     for (la, ha), (lb, hb) in zip(mine, theirs):
-        torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(ha, hb, rtol=1e-6, atol=1e-6)
+        assert torch.equal(la, lb) and torch.equal(ha, hb)  # the same operations in the same order
     assert mine[-1][0].shape[1] == 1  # logits_to_keep
 
 
@@ -96,8 +102,7 @@ def test_batch_with_a_4d_mask_matches_hf(model):
         return hf_or_lean(model, use_lean, ids, positions, mask, cache)
 
     (la, ha), (lb, hb) = run_both(model, run)
-    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(ha, hb, rtol=1e-6, atol=1e-6)
+    assert torch.equal(la, lb) and torch.equal(ha, hb)
 
 
 def test_greedy_through_the_lean_forward_equals_hf(tiny):
