@@ -18,9 +18,9 @@ the way mtpflow finds it; ``--model DIR`` overrides. Prompts: the ``prompt`` fie
 ``--num-prompts`` lines of ``mtpflow/data/bench_prompts.jsonl`` (default: all 32, the list mode=batch uses,
 in file order, no repetition), rendered with the tokenizer's chat template (one user message,
 add_generation_prompt=True, no system message), as mtpflow does. Greedy, ``ignore_eos`` so every request
-makes exactly ``--max-tokens`` tokens (``--stop-at-eos``: each ends at its EOS, as in mtpflow's bench). Batch B > 1: all prompts go to one ``generate`` call and vLLM runs at
-most B at a time (``max_num_seqs=B``: continuous batching like mtpflow's engine with max_batch_size=B);
-batch 1: one ``generate`` per prompt, one after another. The timed run follows a warm-up ``generate``.
+makes exactly ``--max-tokens`` tokens (``--stop-at-eos``: each ends at its EOS, as in mtpflow's bench).
+Batch B > 1: all prompts go to one ``generate`` call and vLLM runs at most B at a time (``max_num_seqs=B``:
+continuous batching like mtpflow's engine with max_batch_size=B); batch 1: one ``generate`` per prompt, one after another. The timed run follows a warm-up ``generate``.
 Prints one JSON line per run.
 
 CPU notes: VLLM_CPU_OMP_THREADS_BIND (``--threads``, default 0-1) pins vLLM's OpenMP threads to those cores and
