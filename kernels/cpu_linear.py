@@ -101,6 +101,7 @@ class PackedLinear(torch.nn.Linear):
     _mtpflow_pack: tuple | None = None  # (weight version key, packed weight)
     _mtpflow_t: tuple | None = None  # (weight version key, weight.t().contiguous())
     _mtpflow_panels: tuple | None = None  # (weight version key, native_linear.pack_panels(weight))
+    _mtpflow_int8: tuple | None = None  # (q int8 [out, in], scale [out]) once ``quantize`` ran: every row count
     _mtpflow_one_row_transposed = False
     # per entry of ROW_BUCKETS, the path for that many rows: "stock" (F.linear), "packed" (oneDNN), "native"
     _mtpflow_row_paths: tuple[str, ...] = DEFAULT_PLANS
@@ -132,6 +133,8 @@ class PackedLinear(torch.nn.Linear):
         if not _active.get() or x.device.type != "cpu" or x.dtype != torch.float32 \
                 or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
+        if self._mtpflow_int8 is not None:
+            return native_linear.linear_int8(x, *self._mtpflow_int8, self.bias)
         rows = x.numel() // x.shape[-1]
         path = self._mtpflow_row_paths[_BUCKET_OF[rows] if rows < len(_BUCKET_OF) else -1]
         if path == "stock":
@@ -323,6 +326,37 @@ def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margi
     return statistics.median(transposed) < (1 - margin) * statistics.median(stock)
 
 
+QUANTIZE = ("int8",)
+
+
+def quantize(model: torch.nn.Module, kind: str) -> int:
+    """Weight-only ``int8`` for every ``PackedLinear`` of ``model`` (``install`` first): symmetric, one scale
+    per output feature (``native_linear.quantize_int8``). The float weights are replaced by their dequantized
+    values (``q * scale``), so everything outside ``packed()`` (``model.generate``, the embedding a tied LM
+    head shares) computes the same quantized model in float32 and is the reference "in the same dtype"; inside
+    ``packed()`` every row count runs the int8 kernel, which reads a quarter of the bytes. The int8 copy is
+    kept beside the float weights (+25% memory). Returns how many linears were quantized."""
+    from mtpflow.errors import UserError
+
+    if kind not in QUANTIZE:
+        raise UserError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {kind!r}")
+    param = next(model.parameters(), None)
+    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
+        raise UserError("model.quantize=int8 runs float32 models on the CPU (set model.device=cpu, model.dtype=float32)")
+    if not native_linear.available():
+        raise UserError("model.quantize=int8 needs mtpflow's native CPU kernel, which could not be built here "
+                        "(no C compiler, or MTPFLOW_NATIVE=0)")
+    mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    with torch.no_grad():
+        for m in mods:
+            if m._mtpflow_int8 is None:
+                q, scale = native_linear.quantize_int8(m.weight)
+                m.weight.copy_(q.float() * scale[:, None])  # in place: a tied embedding shares the values
+                m._mtpflow_int8 = (q, scale)
+            m._mtpflow_pack = m._mtpflow_t = m._mtpflow_panels = None  # the float paths are unused now
+    return len(mods)
+
+
 def state(model: torch.nn.Module) -> str:
     """"stock", or "packed" / "packed+t1" (with the transposed one-row path) followed by the plans
     per row count when they are not DEFAULT_PLANS (e.g. "packed+t1[stock,stock,stock,head,head,head]"), and the native
@@ -338,6 +372,8 @@ def state(model: torch.nn.Module) -> str:
         name += "[" + ",".join(plans) + "]"
     if plans and "native" in plans and _native_version():
         name += " native:" + _native_version()  # a changed kernel is measured anew
+    if any(m._mtpflow_int8 is not None for m in mods):
+        name = "int8 native:" + _native_version()  # every row count takes the int8 kernel
     return name
 
 

@@ -95,6 +95,8 @@ def load(path: Path) -> ctypes.CDLL:
     for fn in (lib.mtpflow_small_gemm, lib.mtpflow_panel_gemm):
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         fn.restype = None
+    lib.mtpflow_small_gemm_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
+    lib.mtpflow_small_gemm_q8.restype = None
     lib.mtpflow_vector_width.restype = ctypes.c_int
     return lib
 
@@ -135,4 +137,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     else:
         lib.mtpflow_small_gemm(x.data_ptr(), weight.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
                                torch.get_num_threads())
+    return y
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-feature int8 of a float weight (out x in): (q int8 [out, in], scale float32 [out])
+    with ``weight ~= q * scale[:, None]``; a row of zeros gets scale 1 (q = 0)."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale.contiguous()
+
+
+def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``F.linear(x, q * scale[:, None], bias)`` for float32 CPU ``x`` over int8 weights ``q`` [out, in] and
+    float32 ``scale`` [out] (``quantize_int8``): the weight-only int8 kernel, every row count. Callers check
+    ``available()`` first."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    k = x.shape[-1]
+    m, n = x.numel() // k, q.shape[0]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    lib = library() if lib is None else lib
+    lib.mtpflow_small_gemm_q8(x.data_ptr(), q.data_ptr(), scale.data_ptr(),
+                              None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                              torch.get_num_threads())
     return y

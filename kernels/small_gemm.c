@@ -15,6 +15,11 @@
  * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
  * without AVX-512 compile to scalar code, 10-20x slower). The pure-torch reference is F.linear; mtpflow/kernels/native_linear.py compiles, loads and
  * tests this file. Summation order differs from MKL's (differences around 1e-6 relative).
+ *
+ * mtpflow_small_gemm_q8 is the row kernel over int8 weights with one float scale per output feature
+ * (y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] (+ b[n])): a quarter of the bytes to read, each 16 (or 8)
+ * int8 weights widened to floats in registers; every row count takes it (no panel copy: the widening, not
+ * the weight stream, is the work it repeats per block of input rows).
  */
 #include <stddef.h>
 
@@ -160,6 +165,88 @@ void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, flo
                 case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
                 default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
             }
+        }
+    }
+}
+
+/* ---- int8 weights, one float scale per output feature (weight-only quantization) --------------------- */
+typedef signed char qvec_u __attribute__((vector_size(VW), aligned(1), may_alias));
+
+/* widen VW int8 weights to floats: GCC 12 scalarizes __builtin_convertvector from char vectors (one
+ * vcvtsi2ss per weight, 4x slower than the float kernel), so x86 takes the sign-extend + convert instructions */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vec loadq(const signed char *p) {
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vec loadq(const signed char *p) {
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline vec loadq(const signed char *p) { return __builtin_convertvector(*(const qvec_u *)p, vec); }
+#endif
+
+static inline __attribute__((always_inline)) void qblock(const float *x, const signed char *w, const float *scale,
+                                                         const float *b, float *y, int N, int K, int n0, int m0,
+                                                         const int nb, const int mb) {
+    const int kv = K - K % VW;
+    vec acc[NB][MB_MAX];
+    const signed char *wr[NB];
+    const float *xr[MB_MAX];
+    for (int i = 0; i < nb; i++) wr[i] = w + (size_t)(n0 + i) * K;
+    for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = (vec){0};
+    for (int k = 0; k < kv; k += VW) {
+        vec wv[NB];
+        for (int i = 0; i < nb; i++) {
+            if (k % 64 == 0) __builtin_prefetch(wr[i] + (size_t)NB * K + k); /* one line per 64 weights */
+            wv[i] = loadq(wr[i] + k);
+        }
+        for (int j = 0; j < mb; j++) {
+            vec xv = loadv(xr[j] + k);
+            for (int i = 0; i < nb; i++) acc[i][j] += wv[i] * xv;
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            float s = sumv(acc[i][j]);
+            for (int k = kv; k < K; k++) s += (float)wr[i][k] * xr[j][k];
+            s *= scale[n0 + i];
+            y[(size_t)(m0 + j) * N + n0 + i] = b ? s + b[n0 + i] : s;
+        }
+}
+
+#if MB_MAX == 6
+#define QROW_CASES(nb)                                                          \
+    case 6: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 6); break;              \
+    case 5: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 5); break;              \
+    case 4: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 4); break;              \
+    case 3: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 3); break;
+#else
+#define QROW_CASES(nb)
+#endif
+#define QROWS(nb)                                                               \
+    for (int m0 = 0; m0 < M; m0 += MB_MAX) {                                    \
+        switch (M - m0 < MB_MAX ? M - m0 : MB_MAX) {                            \
+            QROW_CASES(nb)                                                      \
+            case 2: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 2); break;      \
+            default: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 1); break;     \
+        }                                                                       \
+    }
+
+/* x: M x K float, w: N x K int8, scale: N, b: N or NULL, y: M x N */
+void mtpflow_small_gemm_q8(const float *x, const signed char *w, const float *scale, const float *b, float *y,
+                           int M, int N, int K, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int n0 = 0; n0 < N; n0 += NB) {
+        switch (N - n0 < NB ? N - n0 : NB) {
+            case 4: QROWS(4) break;
+            case 3: QROWS(3) break;
+            case 2: QROWS(2) break;
+            default: QROWS(1) break;
         }
     }
 }

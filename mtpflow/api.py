@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtpflow.config import compose, effective_temperature, read_prompt, stop_strings, validate
 from mtpflow.engine import Engine
 from mtpflow.errors import UserError
-from mtpflow.model import encode_prompt, load_model
+from mtpflow.model import encode_prompt, load_configured
 from mtpflow.plugins import build_stages
 from mtpflow.request import Request
 from mtpflow.types import DecodeResult, StepRecord
@@ -45,7 +45,7 @@ class Pipeline:
         if engine is None:
             m = cfg.model
             # ``loaded`` lets tests and the playground hand in a model that is already in memory
-            loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+            loaded = loaded or load_configured(m)
             engine = Engine(cfg, loaded=loaded)
         self.engine = engine
         self.loaded = engine.loaded

@@ -152,9 +152,12 @@ def validate(cfg: DictConfig) -> None:
     from mtpflow.kernels.dispatch import check_backend_usable
 
     check_backend_usable(cfg.get("kernels") or "auto")
-    from mtpflow.kernels.cpu_linear import check_mode
+    from mtpflow.kernels.cpu_linear import QUANTIZE, check_mode
 
     check_mode(cfg.model.get("cpu_linear", "auto"))
+    quantize = cfg.model.get("quantize")
+    if quantize is not None and quantize not in QUANTIZE:
+        raise ConfigError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {quantize!r}")
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

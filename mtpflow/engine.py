@@ -32,7 +32,7 @@ from mtpflow.kernels import cpu_linear, openmp
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.kv_cache import KVPool
 from mtpflow.loop import Sequence, StepCallback, decode_step
-from mtpflow.model import load_model
+from mtpflow.model import load_configured
 from mtpflow.plugins import build_stages, make_plugin_manager
 from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
 from mtpflow.shared import SharedState
@@ -221,7 +221,7 @@ class Engine:
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
         build_stages(cfg.strategy)  # the default strategy's parameters are checked before the (slow) model load
         # ``loaded`` lets tests, the playground and pipelines share a model that is already in memory
-        self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+        self.loaded = loaded or load_configured(m)
         self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))
         self.run_plugins = list(run_plugins)
         self.shared = SharedState()  # state shared on purpose across requests (a suffix cache, calibration)

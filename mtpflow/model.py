@@ -172,10 +172,16 @@ def resolve_source(name: str | None, gguf_file: str | None) -> tuple[str, str]:
     return str(name), str(name)  # a hub id: the local HF cache (or the hub, where one is reachable)
 
 
+def load_configured(m) -> LoadedModel:
+    """``load_model`` for a config's ``model`` group (``cfg.model``)."""
+    return load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation, m.get("quantize"))
+
+
 @functools.lru_cache(maxsize=4)
 def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str = "auto",
-               device: str = "auto", attn_implementation: str = "auto") -> LoadedModel:
-    """Load (once per process and argument set) a causal LM and its tokenizer."""
+               device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None) -> LoadedModel:
+    """Load (once per process and argument set) a causal LM and its tokenizer; ``quantize="int8"`` turns its
+    linear weights into int8 (``mtpflow.kernels.cpu_linear.quantize``)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -197,6 +203,10 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
         raise UserError(f"cannot load model {name!r}: {first}") from None
     model.to(dev).eval()
     cpu_linear.prepare(model, "auto")  # oneDNN small-batch linears on CPU; stock HF unless a run enables them
+    if quantize:
+        if not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules()):
+            raise UserError("model.quantize=int8 needs the CPU linears (a float32 model on the CPU)")
+        cpu_linear.quantize(model, str(quantize))
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:

@@ -22,7 +22,7 @@ from mtpflow.api import Pipeline
 from mtpflow.config import available_strategies, compose
 from mtpflow.engine import Engine
 from mtpflow.errors import ConfigError, UserError, check_int
-from mtpflow.model import load_model
+from mtpflow.model import load_configured
 from mtpflow.runplugins import default_run_plugins
 
 from mtpflow.playground.views import IncrementalDetokenizer, SideView, finish_tokens, step_tokens, step_view
@@ -169,7 +169,7 @@ class PlaygroundBackend:
         # shows the strategies and not the engine's batch-wide draft cap (a visitor's override still wins)
         base = compose(["batch_k=off", *self.base_overrides])
         m = base.model
-        self.loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+        self.loaded = loaded or load_configured(m)
         self.defaults = base
         self.engine = Engine(base, loaded=self.loaded)  # every comparison's requests decode in its batch
         self._cache_lock = threading.Lock()

@@ -286,7 +286,7 @@ def check_settings(cfg: DictConfig) -> list[str]:
 def run(cfg: DictConfig, loaded=None) -> Path:
     """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
     ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
-    from mtpflow.model import cache_dir, encode_prompt, load_model
+    from mtpflow.model import cache_dir, encode_prompt, load_configured
     from mtpflow.tools.head_data import generate_data, generated_tokens, load_shards
 
     if cfg.get("export"):  # export=vllm: write the EAGLE heads (model.heads) as a vLLM draft checkpoint instead
@@ -298,7 +298,7 @@ def run(cfg: DictConfig, loaded=None) -> Path:
         torch.set_num_threads(int(cfg.threads))
     t0 = time.perf_counter()
     m = cfg.model
-    loaded = loaded or load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation)
+    loaded = loaded or load_configured(m)
     model = loaded.model
     for p in model.parameters():
         p.requires_grad_(False)

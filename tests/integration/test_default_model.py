@@ -33,6 +33,27 @@ def test_default_model_lossless(default_loaded, strategy):
         assert drafted > 5  # prompt lookup really accepted drafts on these copy-heavy prompts
 
 
+def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded):
+    """model.quantize=int8: mtp and pld through the int8 kernel equal HF generate over the dequantized weights
+    (the same model in float32, stock linears) token for token; drafts are accepted."""
+    from mtpflow.kernels import native_linear
+    from mtpflow.model import load_model
+
+    if not native_linear.available():
+        pytest.skip("no C compiler to build the native kernel")
+    loaded = load_model("smollm2", quantize="int8")
+    assert loaded.model is not default_loaded.model  # the float32 model is untouched
+    for strategy in ("mtp", "pld"):
+        pipe = make_pipeline(loaded, strategy, "max_new_tokens=32", "trace=off", "model.quantize=int8")
+        accepted = 0
+        for prompt in PROMPTS:
+            ids = pipe.encode(prompt).tolist()
+            result = pipe(prompt_ids=ids)
+            assert result.token_ids == hf_greedy(loaded.model, ids, 32), (strategy, prompt[:30])
+            accepted += result.stats["accepted_tokens"]
+        assert accepted > 5, strategy
+
+
 def test_api_decodes_many_prompts_with_one_model(default_loaded):
     pipe = make_pipeline(default_loaded, "pld", "max_new_tokens=16", "trace=off")
     results = [pipe(p) for p in PROMPTS[:2]]

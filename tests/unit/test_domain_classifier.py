@@ -125,11 +125,11 @@ def test_domain_in_stats_end_to_end_lossless(tiny):
 
 
 def test_domain_and_length_in_json_output(tiny, tmp_path, monkeypatch, capsys):
-    import mtpflow.api
+    import mtpflow.model
     from mtpflow.cli import main
 
     monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
-    monkeypatch.setattr(mtpflow.api, "load_model", lambda *a, **k: tiny)
+    monkeypatch.setattr(mtpflow.model, "load_model", lambda *a, **k: tiny)
     assert main(["strategy=pld", f"prompt={HEALTH_PROMPT}", "output=json", "max_new_tokens=6", "chat=false",
                  "trace=off", *DOMAIN_K]) == 0
     doc = json.loads(capsys.readouterr().out)
