@@ -47,21 +47,51 @@ static inline float sumv(vec v) {
 
 int mtpflow_vector_width(void) { return VW; }
 
-/* ---- row kernel: nb weight rows from n0 times mb input rows from m0 (compile-time nb, mb after inlining) */
-static inline __attribute__((always_inline)) void block(const float *x, const float *w, const float *b, float *y,
-                                                        int N, int K, int n0, int m0, const int nb, const int mb) {
+/* ---- int8 weights (mtpflow_small_gemm_q8): VW of them widened to floats per load ---------------------- */
+typedef signed char qvec_u __attribute__((vector_size(VW), aligned(1), may_alias));
+
+/* widen VW int8 weights to floats: GCC 12 scalarizes __builtin_convertvector from char vectors (one
+ * vcvtsi2ss per weight, 4x slower than the float kernel), so x86 takes the sign-extend + convert instructions */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vec loadq(const signed char *p) {
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vec loadq(const signed char *p) {
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline vec loadq(const signed char *p) { return __builtin_convertvector(*(const qvec_u *)p, vec); }
+#endif
+
+/* ---- row kernel: nb weight rows from n0 times mb input rows from m0 (compile-time nb, mb and q8 after
+ * inlining): float weights w, or (q8) int8 weights wq with one float scale per output feature */
+static inline __attribute__((always_inline)) void block(const float *x, const float *w, const signed char *wq,
+                                                        const float *scale, const float *b, float *y, int N, int K,
+                                                        int n0, int m0, const int nb, const int mb, const int q8) {
     const int kv = K - K % VW;
     vec acc[NB][MB_MAX];
     const float *wr[NB], *xr[MB_MAX];
-    for (int i = 0; i < nb; i++) wr[i] = w + (size_t)(n0 + i) * K;
+    const signed char *qr[NB];
+    for (int i = 0; i < nb; i++) {
+        if (q8) qr[i] = wq + (size_t)(n0 + i) * K;
+        else wr[i] = w + (size_t)(n0 + i) * K;
+    }
     for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) acc[i][j] = (vec){0};
     for (int k = 0; k < kv; k += VW) {
         vec wv[NB];
         for (int i = 0; i < nb; i++) {
-            __builtin_prefetch(wr[i] + (size_t)NB * K + k); /* the next block's row, same column */
-            wv[i] = loadv(wr[i] + k);
+            if (q8) {  /* the next block's row, same column: one cache line per 64 int8 weights */
+                if (k % 64 == 0) __builtin_prefetch(qr[i] + (size_t)NB * K + k);
+                wv[i] = loadq(qr[i] + k);
+            } else {
+                __builtin_prefetch(wr[i] + (size_t)NB * K + k);
+                wv[i] = loadv(wr[i] + k);
+            }
         }
         for (int j = 0; j < mb; j++) {
             vec xv = loadv(xr[j] + k);
@@ -71,41 +101,55 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     for (int i = 0; i < nb; i++)
         for (int j = 0; j < mb; j++) {
             float s = sumv(acc[i][j]);
-            for (int k = kv; k < K; k++) s += wr[i][k] * xr[j][k];
+            for (int k = kv; k < K; k++) s += (q8 ? (float)qr[i][k] : wr[i][k]) * xr[j][k];
+            if (q8) s *= scale[n0 + i];
             y[(size_t)(m0 + j) * N + n0 + i] = b ? s + b[n0 + i] : s;
         }
 }
 
+#define BLOCK(nb, mb, q8) block(x, w, wq, scale, b, y, N, K, n0, m0, nb, mb, q8)
 #if MB_MAX == 6
-#define ROW_CASES(nb)                                                   \
-    case 6: block(x, w, b, y, N, K, n0, m0, nb, 6); break;              \
-    case 5: block(x, w, b, y, N, K, n0, m0, nb, 5); break;              \
-    case 4: block(x, w, b, y, N, K, n0, m0, nb, 4); break;              \
-    case 3: block(x, w, b, y, N, K, n0, m0, nb, 3); break;
+#define ROW_CASES(nb, q8)                                               \
+    case 6: BLOCK(nb, 6, q8); break;                                    \
+    case 5: BLOCK(nb, 5, q8); break;                                    \
+    case 4: BLOCK(nb, 4, q8); break;                                    \
+    case 3: BLOCK(nb, 3, q8); break;
 #else
-#define ROW_CASES(nb)
+#define ROW_CASES(nb, q8)
 #endif
-#define ROWS(nb)                                                        \
+#define ROWS(nb, q8)                                                    \
     for (int m0 = 0; m0 < M; m0 += MB_MAX) {                            \
         switch (M - m0 < MB_MAX ? M - m0 : MB_MAX) {                    \
-            ROW_CASES(nb)                                               \
-            case 2: block(x, w, b, y, N, K, n0, m0, nb, 2); break;      \
-            default: block(x, w, b, y, N, K, n0, m0, nb, 1); break;     \
+            ROW_CASES(nb, q8)                                           \
+            case 2: BLOCK(nb, 2, q8); break;                            \
+            default: BLOCK(nb, 1, q8); break;                           \
+        }                                                               \
+    }
+#define WEIGHT_BLOCKS(q8)                                               \
+    for (int n0 = 0; n0 < N; n0 += NB) {                                \
+        switch (N - n0 < NB ? N - n0 : NB) {                            \
+            case 4: ROWS(4, q8) break;                                  \
+            case 3: ROWS(3, q8) break;                                  \
+            case 2: ROWS(2, q8) break;                                  \
+            default: ROWS(1, q8) break;                                 \
         }                                                               \
     }
 
 /* x: M x K, w: N x K, b: N or NULL, y: M x N; all row-major and contiguous */
 void mtpflow_small_gemm(const float *x, const float *w, const float *b, float *y, int M, int N, int K,
                         int threads) {
+    const signed char *wq = NULL;
+    const float *scale = NULL;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n0 = 0; n0 < N; n0 += NB) {
-        switch (N - n0 < NB ? N - n0 : NB) {
-            case 4: ROWS(4) break;
-            case 3: ROWS(3) break;
-            case 2: ROWS(2) break;
-            default: ROWS(1) break;
-        }
-    }
+    WEIGHT_BLOCKS(0)
+}
+
+/* x: M x K float, wq: N x K int8, scale: N, b: N or NULL, y: M x N */
+void mtpflow_small_gemm_q8(const float *x, const signed char *wq, const float *scale, const float *b, float *y,
+                           int M, int N, int K, int threads) {
+    const float *w = NULL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    WEIGHT_BLOCKS(1)
 }
 
 /* ---- panel layout: panels[p][k][j] = w[p * PANEL + j][k] (zero past N), built by native_linear.pack_panels */
@@ -165,88 +209,6 @@ void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, flo
                 case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
                 default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
             }
-        }
-    }
-}
-
-/* ---- int8 weights, one float scale per output feature (weight-only quantization) --------------------- */
-typedef signed char qvec_u __attribute__((vector_size(VW), aligned(1), may_alias));
-
-/* widen VW int8 weights to floats: GCC 12 scalarizes __builtin_convertvector from char vectors (one
- * vcvtsi2ss per weight, 4x slower than the float kernel), so x86 takes the sign-extend + convert instructions */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-static inline vec loadq(const signed char *p) {
-    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-#elif defined(__AVX2__)
-#include <immintrin.h>
-static inline vec loadq(const signed char *p) {
-    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-}
-#else
-static inline vec loadq(const signed char *p) { return __builtin_convertvector(*(const qvec_u *)p, vec); }
-#endif
-
-static inline __attribute__((always_inline)) void qblock(const float *x, const signed char *w, const float *scale,
-                                                         const float *b, float *y, int N, int K, int n0, int m0,
-                                                         const int nb, const int mb) {
-    const int kv = K - K % VW;
-    vec acc[NB][MB_MAX];
-    const signed char *wr[NB];
-    const float *xr[MB_MAX];
-    for (int i = 0; i < nb; i++) wr[i] = w + (size_t)(n0 + i) * K;
-    for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = (vec){0};
-    for (int k = 0; k < kv; k += VW) {
-        vec wv[NB];
-        for (int i = 0; i < nb; i++) {
-            if (k % 64 == 0) __builtin_prefetch(wr[i] + (size_t)NB * K + k); /* one line per 64 weights */
-            wv[i] = loadq(wr[i] + k);
-        }
-        for (int j = 0; j < mb; j++) {
-            vec xv = loadv(xr[j] + k);
-            for (int i = 0; i < nb; i++) acc[i][j] += wv[i] * xv;
-        }
-    }
-    for (int i = 0; i < nb; i++)
-        for (int j = 0; j < mb; j++) {
-            float s = sumv(acc[i][j]);
-            for (int k = kv; k < K; k++) s += (float)wr[i][k] * xr[j][k];
-            s *= scale[n0 + i];
-            y[(size_t)(m0 + j) * N + n0 + i] = b ? s + b[n0 + i] : s;
-        }
-}
-
-#if MB_MAX == 6
-#define QROW_CASES(nb)                                                          \
-    case 6: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 6); break;              \
-    case 5: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 5); break;              \
-    case 4: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 4); break;              \
-    case 3: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 3); break;
-#else
-#define QROW_CASES(nb)
-#endif
-#define QROWS(nb)                                                               \
-    for (int m0 = 0; m0 < M; m0 += MB_MAX) {                                    \
-        switch (M - m0 < MB_MAX ? M - m0 : MB_MAX) {                            \
-            QROW_CASES(nb)                                                      \
-            case 2: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 2); break;      \
-            default: qblock(x, w, scale, b, y, N, K, n0, m0, nb, 1); break;     \
-        }                                                                       \
-    }
-
-/* x: M x K float, w: N x K int8, scale: N, b: N or NULL, y: M x N */
-void mtpflow_small_gemm_q8(const float *x, const signed char *w, const float *scale, const float *b, float *y,
-                           int M, int N, int K, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int n0 = 0; n0 < N; n0 += NB) {
-        switch (N - n0 < NB ? N - n0 : NB) {
-            case 4: QROWS(4) break;
-            case 3: QROWS(3) break;
-            case 2: QROWS(2) break;
-            default: QROWS(1) break;
         }
     }
 }
