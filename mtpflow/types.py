@@ -149,8 +149,13 @@ class Verification:
     forward_seconds: float
 
     def target_argmax(self) -> torch.Tensor:
-        """[1 + num_nodes] the target's greedy choice after each row."""
-        return self.logits.argmax(dim=-1)
+        """[1 + num_nodes] the target's greedy choice after each row (computed once: the gate and the loop
+        both read it, and each call is an argmax over every row's vocabulary). Callers must not modify it."""
+        argmax = self.__dict__.get("_target_argmax")
+        if argmax is None:
+            argmax = self.logits.argmax(dim=-1)
+            object.__setattr__(self, "_target_argmax", argmax)  # a cache, not a field: the value stays frozen
+        return argmax
 
 
 @dataclass(frozen=True)

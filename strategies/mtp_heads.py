@@ -51,6 +51,8 @@ def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_node
     """Tree over independent per-depth candidates, nodes in decreasing path probability (so each parent
     comes before its children). probs[d], ids[d]: [top_k_d] sorted descending. Returns (tokens, parents,
     node probs, path probs, depths) as lists."""
+    probs = [p.tolist() if torch.is_tensor(p) else list(p) for p in probs]  # Python floats: no per-element
+    ids = [i.tolist() if torch.is_tensor(i) else list(i) for i in ids]  # tensor indexing in the loop below
     tokens, parents, node_p, path_p, depths = [], [], [], [], []
     heap = [(-float(probs[0][0]), 0, -1, 0)]  # (-path prob, depth index, parent node, candidate rank)
     while heap and len(tokens) < max_nodes:
