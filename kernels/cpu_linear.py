@@ -161,7 +161,11 @@ def linear_bytes(model: torch.nn.Module) -> int:
 def should_pack(mode: str, model: torch.nn.Module) -> bool:
     """Whether ``mode`` (auto | packed | stock) packs this model's linears: auto packs float32 CPU models
     whose linear weights fit ``AUTO_MAX_BYTES``, when oneDNN is available."""
-    if mode == "stock" or not available():
+    if mode == "stock":
+        return False
+    if is_quantized(model):
+        return True  # int8 linears run only inside packed(), whatever their size
+    if not available():
         return False
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
@@ -329,23 +333,39 @@ def one_row_transposed_is_faster(layer: torch.nn.Linear, repeats: int = 9, margi
 QUANTIZE = ("int8",)
 
 
+def check_quantize(kind) -> str | None:
+    """``model.quantize``: None or one of QUANTIZE (a one-line ConfigError otherwise)."""
+    from mtpflow.errors import ConfigError
+
+    if kind is not None and kind not in QUANTIZE:
+        raise ConfigError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {kind!r}")
+    return kind
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, PackedLinear) and m._mtpflow_int8 is not None for m in model.modules())
+
+
 def quantize(model: torch.nn.Module, kind: str) -> int:
-    """Weight-only ``int8`` for every ``PackedLinear`` of ``model`` (``install`` first): symmetric, one scale
-    per output feature (``native_linear.quantize_int8``). The float weights are replaced by their dequantized
+    """Weight-only ``int8`` for every linear of ``model`` (made a ``PackedLinear`` here if ``install`` has not
+    run: no plans are timed, int8 takes every row count): symmetric, one scale per output feature
+    (``native_linear.quantize_int8``). The float weights are replaced by their dequantized
     values (``q * scale``), so everything outside ``packed()`` (``model.generate``, the embedding a tied LM
     head shares) computes the same quantized model in float32 and is the reference "in the same dtype"; inside
     ``packed()`` every row count runs the int8 kernel, which reads a quarter of the bytes. The int8 copy is
     kept beside the float weights (+25% memory). Returns how many linears were quantized."""
     from mtpflow.errors import UserError
 
-    if kind not in QUANTIZE:
-        raise UserError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {kind!r}")
+    if check_quantize(kind) is None:
+        return 0
     param = next(model.parameters(), None)
     if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
         raise UserError("model.quantize=int8 runs float32 models on the CPU (set model.device=cpu, model.dtype=float32)")
     if not native_linear.available():
         raise UserError("model.quantize=int8 needs mtpflow's native CPU kernel, which could not be built here "
                         "(no C compiler, or MTPFLOW_NATIVE=0)")
+    if any(type(m) is torch.nn.Linear for m in model.modules()):
+        install(model, plans=DEFAULT_PLANS)  # the float plans are never used once quantized: not timed
     mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
     with torch.no_grad():
         for m in mods:
@@ -372,7 +392,7 @@ def state(model: torch.nn.Module) -> str:
         name += "[" + ",".join(plans) + "]"
     if plans and "native" in plans and _native_version():
         name += " native:" + _native_version()  # a changed kernel is measured anew
-    if any(m._mtpflow_int8 is not None for m in mods):
+    if is_quantized(model):
         name = "int8 native:" + _native_version()  # every row count takes the int8 kernel
     return name
 

@@ -152,12 +152,11 @@ def validate(cfg: DictConfig) -> None:
     from mtpflow.kernels.dispatch import check_backend_usable
 
     check_backend_usable(cfg.get("kernels") or "auto")
-    from mtpflow.kernels.cpu_linear import QUANTIZE, check_mode
+    from mtpflow.kernels.cpu_linear import check_mode, check_quantize
 
-    check_mode(cfg.model.get("cpu_linear", "auto"))
-    quantize = cfg.model.get("quantize")
-    if quantize is not None and quantize not in QUANTIZE:
-        raise ConfigError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {quantize!r}")
+    mode = check_mode(cfg.model.get("cpu_linear", "auto"))
+    if check_quantize(cfg.model.get("quantize")) and mode == "stock":
+        raise ConfigError("model.quantize=int8 runs through mtpflow's CPU linears: it needs model.cpu_linear=auto or packed")
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

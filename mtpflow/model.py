@@ -204,8 +204,6 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
     model.to(dev).eval()
     cpu_linear.prepare(model, "auto")  # oneDNN small-batch linears on CPU; stock HF unless a run enables them
     if quantize:
-        if not any(isinstance(m, cpu_linear.PackedLinear) for m in model.modules()):
-            raise UserError("model.quantize=int8 needs the CPU linears (a float32 model on the CPU)")
         cpu_linear.quantize(model, str(quantize))
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))

@@ -33,7 +33,7 @@ def test_default_model_lossless(default_loaded, strategy):
         assert drafted > 5  # prompt lookup really accepted drafts on these copy-heavy prompts
 
 
-def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded):
+def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded, monkeypatch):
     """model.quantize=int8: mtp and pld through the int8 kernel equal HF generate over the dequantized weights
     (the same model in float32, stock linears) token for token; drafts are accepted."""
     from mtpflow.kernels import native_linear
@@ -43,6 +43,9 @@ def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded
         pytest.skip("no C compiler to build the native kernel")
     loaded = load_model("smollm2", quantize="int8")
     assert loaded.model is not default_loaded.model  # the float32 model is untouched
+    calls = []
+    real = native_linear.linear_int8
+    monkeypatch.setattr(native_linear, "linear_int8", lambda *a, **k: calls.append(1) or real(*a, **k))
     for strategy in ("mtp", "pld"):
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=32", "trace=off", "model.quantize=int8")
         accepted = 0
@@ -52,6 +55,7 @@ def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded
             assert result.token_ids == hf_greedy(loaded.model, ids, 32), (strategy, prompt[:30])
             accepted += result.stats["accepted_tokens"]
         assert accepted > 5, strategy
+    assert calls  # the decode ran the int8 kernel
 
 
 def test_api_decodes_many_prompts_with_one_model(default_loaded):

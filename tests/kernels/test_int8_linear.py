@@ -14,6 +14,15 @@ from mtpflow.kernels import cpu_linear, native_linear
 needs_native = pytest.mark.skipif(not native_linear.available(), reason="no C compiler to build the native kernel")
 
 
+@pytest.fixture
+def int8_calls(monkeypatch):
+    """A list that grows by one on every call of the int8 kernel: a test can check the decode really ran it."""
+    calls = []
+    real = native_linear.linear_int8
+    monkeypatch.setattr(native_linear, "linear_int8", lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
 def _dequantized(w):
     q, scale = native_linear.quantize_int8(w)
     return q, scale, q.float() * scale[:, None]
@@ -94,18 +103,39 @@ def test_quantize_refuses_what_it_cannot_run():
         cpu_linear.quantize(loaded.model.to(torch.bfloat16), "int8")
 
 
-def test_a_bad_quantize_value_is_one_line(capsys):
+@pytest.mark.parametrize("overrides,message", [
+    (["model.quantize=int4"], "model.quantize must be null or one of int8, got 'int4'"),
+    (["model.quantize=int8", "model.cpu_linear=stock"],
+     "model.quantize=int8 runs through mtpflow's CPU linears: it needs model.cpu_linear=auto or packed"),
+])
+def test_a_bad_quantize_setting_is_one_line(capsys, overrides, message):
     from mtpflow.cli import main
 
-    assert main(["strategy=baseline", "prompt=hi", "model.quantize=int4"]) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["mtpflow: error: model.quantize must be null or one of int8, got 'int4'"]
+    assert main(["strategy=baseline", "prompt=hi", *overrides]) != 0
+    assert capsys.readouterr().err.strip().splitlines() == [f"mtpflow: error: {message}"]
+
+
+@needs_native
+def test_quantize_needs_no_install_and_runs_past_the_packing_budget(monkeypatch, int8_calls):
+    """A model too large for ``auto`` packing (here: a budget of 0 bytes) still runs int8: quantize makes its
+    linears PackedLinear without timing float plans, and ``should_pack`` turns the CPU linears on for it."""
+    monkeypatch.setattr(cpu_linear, "AUTO_MAX_BYTES", 0)
+    loaded = tiny_loaded(seed=4)
+    assert not cpu_linear.should_pack("auto", loaded.model)
+    monkeypatch.setattr(cpu_linear, "load_plans", lambda model: pytest.fail("no plans are timed for int8"))
+    cpu_linear.quantize(loaded.model, "int8")
+    assert cpu_linear.is_quantized(loaded.model)
+    assert cpu_linear.should_pack("auto", loaded.model) and not cpu_linear.should_pack("stock", loaded.model)
+    ids = list(range(7, 27)) * 2
+    pipe = make_pipeline(loaded, "pld", "max_new_tokens=24", "strategy.propose.costs=null")
+    assert pipe(prompt_ids=ids).token_ids == hf_greedy(loaded.model, ids, 24)
+    assert int8_calls  # the decode really ran the int8 kernel
 
 
 @needs_native
 @pytest.mark.parametrize("strategy,overrides", [("baseline", []), ("pld", ["strategy.propose.costs=null"]),
                                                  ("jacobi", ["strategy.select_k.k=5"])])
-def test_int8_decode_is_token_identical_to_hf_on_the_same_weights(strategy, overrides):
+def test_int8_decode_is_token_identical_to_hf_on_the_same_weights(strategy, overrides, int8_calls):
     loaded = tiny_loaded(seed=5)
     cpu_linear.install(loaded.model, plans=("native",) * len(cpu_linear.ROW_BUCKETS))
     cpu_linear.quantize(loaded.model, "int8")
@@ -113,10 +143,11 @@ def test_int8_decode_is_token_identical_to_hf_on_the_same_weights(strategy, over
     ref = hf_greedy(loaded.model, ids, 40)  # HF generate over the dequantized weights: the same model
     pipe = make_pipeline(loaded, strategy, "max_new_tokens=40", "model.cpu_linear=auto", *overrides)
     assert pipe(prompt_ids=ids).token_ids == ref
+    assert int8_calls  # through the int8 kernel, not the float fallback
 
 
 @needs_native
-def test_int8_decode_in_a_batch_is_token_identical_to_hf():
+def test_int8_decode_in_a_batch_is_token_identical_to_hf(int8_calls):
     from mtpflow.request import Request
 
     loaded = tiny_loaded(seed=6)
@@ -128,3 +159,4 @@ def test_int8_decode_in_a_batch_is_token_identical_to_hf():
     results = pipe.engine.generate([Request(prompt_ids=p, strategy=s) for p, s in
                                     zip(prompts, ["pld", "baseline", "jacobi"])])
     assert [r.token_ids for r in results] == refs
+    assert int8_calls
