@@ -114,22 +114,27 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
+def _operands(x: torch.Tensor, bias: torch.Tensor | None, n: int):
+    """What every kernel call takes besides the weight: contiguous x, the bias pointer (or None), the output
+    [..., n] allocated in its final shape, and the rows m, outputs n and inputs k."""
+    if not x.is_contiguous():
+        x = x.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    k = x.shape[-1]
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    return x, (None if bias is None else bias.data_ptr()), y, x.numel() // k, n, k
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            panels: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 CPU tensors through the native kernels (x: ``(..., in)``);
     with ``panels`` (``pack_panels(weight)``) and at least PANEL_MIN_ROWS rows, the panel kernel. Callers
     check ``available()`` first. Called for every linear of a verify forward (211 per forward of the default
     model), so it allocates the output in its final shape and does nothing it can skip."""
-    if not x.is_contiguous():
-        x = x.contiguous()
     if not weight.is_contiguous():
         weight = weight.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
-    k = x.shape[-1]
-    m, n = x.numel() // k, weight.shape[0]
-    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
-    bias_ptr = None if bias is None else bias.data_ptr()
+    x, bias_ptr, y, m, n, k = _operands(x, bias, weight.shape[0])
     lib = library() if lib is None else lib
     if panels is not None and m >= PANEL_MIN_ROWS:
         lib.mtpflow_panel_gemm(x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
@@ -155,15 +160,8 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     """``F.linear(x, q * scale[:, None], bias)`` for float32 CPU ``x`` over int8 weights ``q`` [out, in] and
     float32 ``scale`` [out] (``quantize_int8``): the weight-only int8 kernel, every row count. Callers check
     ``available()`` first."""
-    if not x.is_contiguous():
-        x = x.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
-    k = x.shape[-1]
-    m, n = x.numel() // k, q.shape[0]
-    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    x, bias_ptr, y, m, n, k = _operands(x, bias, q.shape[0])
     lib = library() if lib is None else lib
-    lib.mtpflow_small_gemm_q8(x.data_ptr(), q.data_ptr(), scale.data_ptr(),
-                              None if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+    lib.mtpflow_small_gemm_q8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
                               torch.get_num_threads())
     return y

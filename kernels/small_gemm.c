@@ -18,8 +18,7 @@
  *
  * mtpflow_small_gemm_q8 is the row kernel over int8 weights with one float scale per output feature
  * (y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] (+ b[n])): a quarter of the bytes to read, each 16 (or 8)
- * int8 weights widened to floats in registers; every row count takes it (no panel copy: the widening, not
- * the weight stream, is the work it repeats per block of input rows).
+ * int8 weights widened to floats in registers; every row count takes it (there is no int8 panel kernel).
  */
 #include <stddef.h>
 

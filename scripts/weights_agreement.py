@@ -10,7 +10,9 @@ how many leading tokens they share, and the teacher-forced next-token agreement 
 the share of positions where both models' argmax is the same: how close the weights are, without one early
 flip deciding everything after it); then the totals. The float32 reference is HF ``generate`` on the
 float32 model (stock linears); the other side is the ``baseline`` strategy (K = 0) through the engine, which
-is itself token-identical to HF ``generate`` on the same (quantized) weights (tests/kernels/test_int8_linear.py).
+with int8 weights is token-identical to HF ``generate`` on the same weights (tests/kernels/test_int8_linear.py;
+in bf16 it is not always: docs/benchmarks.md). The teacher-forced column runs the lighter model's own forward
+outside the engine (HF's, over the same weights), so it measures the weights, not mtpflow's kernels.
 """
 from __future__ import annotations
 
@@ -19,9 +21,8 @@ import csv
 import sys
 from pathlib import Path
 
-from tqdm import tqdm
-
 import torch
+from tqdm import tqdm
 
 import mtpflow
 from mtpflow.tools.bench import hf_generate, load_prompt_suite

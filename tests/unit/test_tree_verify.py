@@ -89,3 +89,14 @@ def test_prefill_sends_only_the_last_row_through_the_lm_head(tiny):
         full = model(input_ids=prompt[None]).logits[0, -1]
     torch.testing.assert_close(logits[0], full, rtol=1e-5, atol=1e-5)
     assert t.cache_len == prompt.numel()
+
+
+def test_target_argmax_is_computed_once_and_is_each_rows_argmax():
+    from mtpflow.types import Verification
+
+    logits = torch.randn(5, 40)
+    v = Verification(logits=logits, hidden=None, forward_seconds=0.0)
+    first = v.target_argmax()
+    assert torch.equal(first, logits.argmax(-1))
+    assert v.target_argmax() is first  # cached: the gate and the loop share one argmax per step
+    assert v == Verification(logits=logits, hidden=None, forward_seconds=0.0)  # the cache is not a field
