@@ -56,6 +56,36 @@ def _plain_llama(model) -> bool:
     return bool(layers) and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers)
 
 
+def hidden_taps(model, spec) -> tuple[int, ...]:
+    """A strategy's ``needs_hidden_states`` -> which hidden states a forward returns, in order (concatenated on
+    the last dimension): ``()`` none; ``-1`` the last hidden state after the final norm (``true``); ``i`` in
+    ``0..L-2`` the output of decoder layer i (HF's ``hidden_states[i + 1]``; the last layer's is -1, normed).
+    ``eagle3`` is EAGLE-3's low, middle and high layers (2, L // 2, L - 3 of L layers, clipped to 0..L-2 for
+    tiny models); a list names the taps itself."""
+    if spec is None or spec is False:
+        return ()
+    if spec is True:
+        return (-1,)
+    layers = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "num_hidden_layers"))
+    if isinstance(spec, str):
+        if spec != "eagle3":
+            raise ValueError(f"needs_hidden_states must be true, false, eagle3 or a list of layers, got {spec!r}")
+        if layers < 2:
+            return (-1,)
+        return tuple(sorted({max(0, min(t, layers - 2)) for t in (2, layers // 2, layers - 3)}))
+    taps = tuple(int(t) for t in spec)
+    if not taps or any(t < -1 or t >= layers - 1 for t in taps):
+        raise ValueError(f"needs_hidden_states layers must be -1 or 0..{layers - 2}, got {list(taps)}")
+    return taps
+
+
+def taps_of(need_hidden) -> tuple[int, ...]:
+    """``need_hidden`` as a caller may pass it (False / True / a tuple of taps) -> a tuple of taps."""
+    if isinstance(need_hidden, tuple):
+        return need_hidden
+    return (-1,) if need_hidden else ()
+
+
 def _causal_mask(q: int, kv: int, device) -> torch.Tensor | None:
     """What HF's SDPA mask builder gives a padding-free batch: None where SDPA needs no mask (one query, or
     queries == keys: ``is_causal``), else a boolean [1, 1, q, kv] mask with the queries at the end."""
@@ -66,14 +96,15 @@ def _causal_mask(q: int, kv: int, device) -> torch.Tensor | None:
 
 
 def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            cache, need_hidden: bool = False, logits_to_keep: int = 0):
+            cache, need_hidden=False, logits_to_keep: int = 0):
     """``model(input_ids, position_ids, attention_mask, cache=cache, use_cache=True)`` for a supported model.
 
     input_ids, position_ids: [B, q]; attention_mask: None (causal, queries after the cache) or the additive /
     boolean 4D mask [B, 1, q, kv] the caller built; cache: an HF ``Cache`` whose layers' ``update`` store the
-    new keys and values (the pool views of ``mtpflow.kv_cache``). Returns (logits [B, q or logits_to_keep, vocab],
-    last hidden state after the final norm [B, q, hidden] or None). The norms, the MLPs and the rotary
-    embedding are the model's own modules and functions; only the attention block is written out here."""
+    new keys and values (the pool views of ``mtpflow.kv_cache``); need_hidden: False, True or a tuple of taps
+    (``hidden_taps``). Returns (logits [B, q or logits_to_keep, vocab], the taps concatenated
+    [B, q, hidden * len(taps)] or None; True: the last hidden state after the final norm). The norms, the
+    MLPs and the rotary embedding are the model's own modules and functions; only the attention block is written out here."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     inner = model.model
@@ -81,8 +112,10 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     h = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(h, position_ids=position_ids)
     b, q = input_ids.shape
+    taps = taps_of(need_hidden)
+    tapped = {}
     mask, causal_checked = attention_mask, attention_mask is not None or q == 1
-    for layer in inner.layers[: model.config.num_hidden_layers]:
+    for index, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
         attn = layer.self_attn
         residual = h
         x = layer.input_layernorm(h)
@@ -104,9 +137,20 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
             out, _ = sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
         h = residual + attn.o_proj(out.reshape(b, q, -1).contiguous())
         h = h + layer.mlp(layer.post_attention_layernorm(h))
+        if index in taps:
+            tapped[index] = h
     h = inner.norm(h)
+    tapped[-1] = h
     kept = h[:, -logits_to_keep:] if logits_to_keep else h
-    return model.lm_head(kept), (h if need_hidden else None)
+    return model.lm_head(kept), _concat_taps(tapped, taps)
+
+
+def _concat_taps(tapped: dict, taps: tuple[int, ...]):
+    if not taps:
+        return None
+    if len(taps) == 1:
+        return tapped[taps[0]]
+    return torch.cat([tapped[t] for t in taps], dim=-1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -118,13 +162,18 @@ def _forward_takes(cls: type, name: str) -> bool:
 
 
 def run(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache,
-        need_hidden: bool = False, logits_to_keep: int = 0):
-    """One forward over a KV-pool cache, as (logits, last hidden state or None): ``forward`` where the model
+        need_hidden=False, logits_to_keep: int = 0):
+    """One forward over a KV-pool cache, as (logits, the hidden-state taps or None): ``forward`` where the model
     is supported, else the model's own forward (``logits_to_keep`` where it takes it, else every row's)."""
     if supports(model):
         return forward(model, input_ids, position_ids, attention_mask, cache, need_hidden, logits_to_keep)
     takes_keep = logits_to_keep and _forward_takes(type(model), "logits_to_keep")
     extra = {"logits_to_keep": logits_to_keep} if takes_keep else {}
     out = model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
-                use_cache=True, output_hidden_states=need_hidden, **extra)
-    return out.logits, (out.hidden_states[-1] if need_hidden else None)
+                use_cache=True, output_hidden_states=bool(need_hidden), **extra)
+    if not need_hidden:
+        return out.logits, None
+    # hidden_states[0] is the embeddings, [i + 1] decoder layer i's output, [-1] the output after the final norm
+    states = out.hidden_states
+    taps = taps_of(need_hidden)
+    return out.logits, _concat_taps({t: states[-1] if t == -1 else states[t + 1] for t in taps}, taps)

@@ -94,7 +94,7 @@ class Sequence:
     verification -> ``finish``, then ``end``."""
 
     def __init__(self, plugin_manager, loaded, context: RunContext, *, stop: tuple[str, ...] = (),
-                 need_hidden: bool = False, context_window: int | None = None, pool=None,
+                 need_hidden=False, context_window: int | None = None, pool=None,
                  on_step: StepCallback | None = None, keep_steps: bool = True):
         self.pm = plugin_manager
         self.hook = plugin_manager.hook
@@ -391,9 +391,8 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
     batched = [(s, d) for s, d in planned if not s.own_verify]
     verifications: dict[int, Verification] = {}
     if batched:
-        need_hidden = any(s.need_hidden for s, _ in batched)
         results = verify_batch(model, [s.target for s, _ in batched], [s.state.root_token for s, _ in batched],
-                               [d for _, d in batched], [s.state.next_position for s, _ in batched], need_hidden)
+                               [d for _, d in batched], [s.state.next_position for s, _ in batched])
         verifications = {id(s): v for (s, _), v in zip(batched, results)}
     for seq, _ in planned:
         if seq.own_verify:

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mtpflow.errors import ConfigError, UserError, check_int, check_range
+from mtpflow.forward import hidden_taps
 from mtpflow.model import encode_prompt
 from mtpflow.types import RunContext, SamplingParams
 
@@ -50,7 +51,7 @@ class Prepared:
     strategy: DictConfig  # the strategy's config node with the request's overrides
     context: RunContext
     stop: tuple[str, ...]
-    need_hidden: bool
+    need_hidden: tuple[int, ...]  # hidden-state taps its forwards return (mtpflow.forward.hidden_taps)
     context_window: int | None
 
 
@@ -92,6 +93,16 @@ def _stop_tuple(stop) -> tuple[str, ...]:
     if any(not isinstance(s, str) or s == "" for s in items):
         raise ConfigError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return tuple(items)
+
+
+def hidden_taps_of(model, spec) -> tuple[int, ...]:
+    """A strategy's ``needs_hidden_states`` as the taps its forwards return; a bad value is a ConfigError."""
+    if OmegaConf.is_config(spec):
+        spec = OmegaConf.to_container(spec)
+    try:
+        return hidden_taps(model, spec)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_messages(messages) -> list[dict[str, str]]:
@@ -188,6 +199,6 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
         sampling=SamplingParams(temperature, top_k, top_p), seed=seed, tokenizer=tokenizer, model=loaded.model,
     )
     prepared = Prepared(request=request, prompt_ids=ids, strategy=strategy, context=context, stop=stop,
-                        need_hidden=bool(strategy.get("needs_hidden_states", False)),
+                        need_hidden=hidden_taps_of(loaded.model, strategy.get("needs_hidden_states", False)),
                         context_window=strategy.get("context_window"))
     return prepared, settings

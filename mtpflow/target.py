@@ -46,16 +46,21 @@ def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.floa
 class Target:
     """A Hugging Face causal LM plus one sequence's KV cache (a slot of a pool shared with the batch)."""
 
-    def __init__(self, model, need_hidden: bool = False, pool: KVPool | None = None):
+    def __init__(self, model, need_hidden=False, pool: KVPool | None = None):
         self.model = model
         self.device = next(model.parameters()).device
-        self.need_hidden = need_hidden
+        # which hidden states its forwards return (``mtpflow.forward.hidden_taps``): () none, (-1,) the last one
+        self.taps = lean_forward.taps_of(need_hidden)
         self.pool = pool or KVPool(model, max_slots=1)  # standalone use (tests, cost measurements)
         self.kv = SequenceKV(self.pool)
         # absolute position - position_shift = position the model sees; grows when ``keep`` evicts entries,
         # so cache entry i always sits at model position i and generation can run past the model's context
         self.position_shift = 0
         self.forwards = 0
+
+    @property
+    def need_hidden(self) -> bool:
+        return bool(self.taps)
 
     @property
     def cache_len(self) -> int:
@@ -81,7 +86,7 @@ class Target:
         ids = input_ids.to(self.device)[None]
         positions = (position_ids - self.position_shift).to(self.device)[None]
         mask = None if mask is None else mask.to(self.device, self.model.dtype)
-        logits, hidden = lean_forward.run(self.model, ids, positions, mask, cache, self.need_hidden,
+        logits, hidden = lean_forward.run(self.model, ids, positions, mask, cache, self.taps,
                                           logits_to_keep=1 if last_only else 0)
         self.kv.length = cache.layers[0].length
         self.forwards += 1
@@ -143,14 +148,16 @@ class Target:
 
 @torch.inference_mode()
 def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Draft],
-                 root_positions: list[int], need_hidden: bool = False) -> list[Verification]:
+                 root_positions: list[int], need_hidden=None) -> list[Verification]:
     """ONE forward over every sequence in the pool: each row feeds its root plus its own draft (chain or
     tree, any size, none at all) over its own cache length.
 
     Layout: rows padded to the longest ``1 + num_nodes`` (the model takes ``[B, q]`` input ids); a 4D mask
     ``[B, 1, q, max_len + q]`` gives each row its prefix, its own tree and nothing of its padding, and
     ``position_ids [B, q]`` count from each sequence's first token. Pool slots that are not in ``targets``
-    (a sequence still waiting for its prefill, or verifying alone) ride along as fully padded rows.
+    (a sequence still waiting for its prefill, or verifying alone) ride along as fully padded rows. The forward
+    returns the union of the targets' hidden-state taps (``need_hidden``: None = that union); each sequence
+    gets its own taps back.
     """
     t0 = time.perf_counter()
     pool = targets[0].pool
@@ -182,8 +189,11 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         positions[slot, 1:n] = base + draft.depths()
     mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
+    taps = tuple(sorted({t for target in targets for t in target.taps}))
+    if need_hidden is not None and not need_hidden:
+        taps = ()
     logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask.to(device), cache,
-                                      need_hidden)
+                                      taps)
     seconds = time.perf_counter() - t0
     logits = logits.float()
     hidden = hidden.float() if hidden is not None else None
@@ -192,9 +202,17 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         slot = target.kv.slot
         target.kv.length += n
         target.forwards += 1
-        h = hidden[slot, :n] if hidden is not None and target.need_hidden else None
+        h = _own_taps(hidden[slot, :n], taps, target.taps) if hidden is not None and target.taps else None
         results.append(Verification(logits=logits[slot, :n], hidden=h, forward_seconds=seconds))
     return results
+
+
+def _own_taps(hidden: torch.Tensor, taps: tuple[int, ...], own: tuple[int, ...]) -> torch.Tensor:
+    """[n, hidden * len(taps)] of the batch's taps -> [n, hidden * len(own)], this sequence's in its order."""
+    if own == taps:
+        return hidden
+    size = hidden.shape[-1] // len(taps)
+    return torch.cat([hidden[:, taps.index(t) * size : (taps.index(t) + 1) * size] for t in own], dim=-1)
 
 
 def rotate_keys(keys: torch.Tensor, delta: torch.Tensor, rotary) -> torch.Tensor:

@@ -112,3 +112,53 @@ def test_greedy_through_the_lean_forward_equals_hf(tiny):
         assert lean.supports(pipe.loaded.model)
         result = pipe(prompt_ids=prompt)
         assert result.token_ids == hf_greedy(tiny.model, prompt, 24), strategy
+
+
+def test_hidden_taps_name_layers_and_reject_bad_values():
+    model = make_tiny_model(32, layers=8)
+    assert lean.hidden_taps(model, False) == () and lean.hidden_taps(model, True) == (-1,)
+    assert lean.hidden_taps(model, "eagle3") == (2, 4, 5)  # low, middle, high of 8 layers
+    assert lean.hidden_taps(make_tiny_model(32, layers=2), "eagle3") == (0,)
+    assert lean.hidden_taps(model, [1, -1]) == (1, -1)
+    for bad in ("eagle4", [7], [-2], []):
+        with pytest.raises(ValueError, match="needs_hidden_states"):
+            lean.hidden_taps(model, bad)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("use_lean", [True, False])
+def test_taps_are_the_layer_outputs_hf_reports(use_lean, monkeypatch):
+    """Taps through ``run`` (lean, and the model's own forward) equal HF's ``hidden_states[i + 1]``, concatenated."""
+    monkeypatch.setenv("MTPFLOW_LEAN_FORWARD", "1" if use_lean else "0")
+    model = make_tiny_model(96, layers=4)
+    model.__dict__.pop("_mtpflow_lean", None)
+    ids = torch.tensor([[5, 9, 2, 44, 17]])
+    pool = KVPool(model, max_slots=1)
+    _, taps = lean.run(model, ids, torch.arange(5)[None], None, SequenceKV(pool).view(), (0, 2, -1))
+    states = model(input_ids=ids, output_hidden_states=True).hidden_states
+    want = torch.cat([states[1], states[3], states[-1]], dim=-1)
+    assert taps.shape == want.shape and torch.allclose(taps, want, atol=1e-5)
+
+
+@torch.inference_mode()
+def test_batch_verify_gives_each_sequence_its_own_taps():
+    """One batched forward with a sequence that wants the last hidden state and one that wants EAGLE-3's layers:
+    each gets its own taps, equal to what its verify alone returns."""
+    from mtpflow.target import Target, verify_batch
+    from mtpflow.types import Draft
+
+    model = make_tiny_model(96, layers=8)
+    pool = KVPool(model, max_slots=2)
+    taps = [(-1,), lean.hidden_taps(model, "eagle3")]
+    prompts = [torch.tensor([3, 8, 1, 40]), torch.tensor([7, 7, 21, 5, 9, 60])]
+    chain = Draft(tokens=torch.tensor([12, 30]), parents=torch.tensor([-1, 0]))
+    batched = [Target(model, need_hidden=t, pool=pool) for t in taps]
+    for target, prompt in zip(batched, prompts):
+        target.prefill(prompt)
+    results = verify_batch(model, batched, [4, 6], [chain, chain], [len(p) for p in prompts])
+    for t, prompt, got in zip(taps, prompts, results):
+        alone = Target(model, need_hidden=t)
+        alone.prefill(prompt)
+        want = alone.verify(4 if len(prompt) == 4 else 6, chain, len(prompt))
+        assert got.hidden.shape == want.hidden.shape == (3, 64 * len(t))
+        assert torch.allclose(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)  # layer outputs grow to ~30 here
