@@ -161,4 +161,4 @@ def test_batch_verify_gives_each_sequence_its_own_taps():
         alone.prefill(prompt)
         want = alone.verify(4 if len(prompt) == 4 else 6, chain, len(prompt))
         assert got.hidden.shape == want.hidden.shape == (3, 64 * len(t))
-        assert torch.allclose(got.hidden, want.hidden, rtol=1e-5, atol=1e-5)  # layer outputs grow to ~30 here
+        assert torch.allclose(got.hidden, want.hidden, atol=1e-4)  # float noise of a padded batch; values reach ~30
