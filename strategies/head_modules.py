@@ -2,7 +2,9 @@
 
 Medusa heads map the target's last hidden state to K future-token features (one residual block each);
 the EAGLE drafter is one small transformer layer over (hidden state, next token embedding) that predicts
-the next hidden state. Both score tokens with the target's own LM head, restricted to a *draft
+the next hidden state; the EAGLE-3 drafter is the same layer over a feature fused from a low, a middle and a
+high layer of the target, trained on token predictions only (no feature regression) while it drafts from
+its own earlier outputs (``unroll``). All score tokens with the target's own LM head, restricted to a *draft
 vocabulary* (the most frequent tokens of the training text, as in EAGLE-3) so drafting and training avoid
 the full-vocabulary matmul. Heads are saved as safetensors plus a JSON config keyed to the base model.
 """
@@ -21,7 +23,7 @@ from mtpflow.kernels import native_linear
 
 CONFIG_NAME = "heads.json"
 WEIGHTS_NAME = "heads.safetensors"
-KINDS = ("medusa", "eagle")
+KINDS = ("medusa", "eagle", "eagle3")
 
 
 class ResidualBlock(nn.Module):
@@ -117,6 +119,65 @@ class EagleDrafter(nn.Module):
         mask = ((offset >= 0) & (offset < self.window))[None].expand(features.shape[0], t, t)
         return self.finish(x, q, k, v, mask)
 
+    def input_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The target's hidden states as the forward returns them -> the drafter's input feature (EAGLE: the
+        last hidden state itself)."""
+        return target_hidden
+
+    def head_features(self, out: torch.Tensor) -> torch.Tensor:
+        """A layer output -> what the LM head scores (EAGLE: the predicted hidden state itself)."""
+        return out
+
+
+class Eagle3Drafter(EagleDrafter):
+    """EAGLE-3 (Li et al., 2025): the EAGLE layer over ``fuse(concat of the target's tapped layers)`` [taps * hidden
+    -> hidden] instead of the last hidden state, with a learned norm before the (frozen, draft-vocabulary) LM head.
+    Nothing ties its output to the target's hidden state: from the second draft step on, the layer's own output
+    is its input feature, and training (``unroll``) teaches it to draft from those."""
+
+    def __init__(self, hidden: int, heads: int, intermediate: int, window: int, taps: int):
+        super().__init__(hidden, heads, intermediate, window)
+        self.fuse = nn.Linear(taps * hidden, hidden, bias=False)
+        self.norm_out = RMSNorm(hidden)
+
+    def input_features(self, target_hidden: torch.Tensor) -> torch.Tensor:
+        return self.fuse(target_hidden)
+
+    def head_features(self, out: torch.Tensor) -> torch.Tensor:
+        return self.norm_out(out)
+
+
+def unroll(drafter: EagleDrafter, features: torch.Tensor, token_embeddings: torch.Tensor, positions: torch.Tensor,
+           steps: int) -> list[torch.Tensor]:
+    """Training-time test (EAGLE-3): the drafter run as it drafts, ``steps`` deep from every position at once.
+
+    ``features`` [B, T, h] are the drafter's input features from the target (``input_features``), ``token_embeddings``
+    [B, T, h] the embeddings of tokens 1..T (position p's input token is token p + 1), ``positions`` [B, T].
+    Step 1 is the teacher-forced pass. Step s at position p drafts from anchor a = p - s + 1 (the last position
+    with target features): its input feature is step s - 1's output at p - 1 (its own earlier draft), and it
+    attends to step 1's keys at positions <= a (within the window) and to step r's key at a + r - 1 for
+    r = 2..s (its own drafted path), exactly what the tree drafter attends to at depth s. Returns the outputs
+    [B, T, h] of steps 1..steps; step s at position p predicts what follows token p + 1 (for p >= s - 1; rows
+    before that have no anchor and must be ignored by the loss)."""
+    b, t, _ = features.shape
+    device = features.device
+    x, q, k, v = drafter.project(features, token_embeddings, positions)
+    i = torch.arange(t, device=device)
+    offset = i[:, None] - i[None, :]  # query position - key position
+    causal = (offset >= 0) & (offset < drafter.window)
+    outs = [drafter.finish(x, q, k, v, causal[None].expand(b, t, t))]
+    keys, values = [k], [v]
+    for s in range(2, steps + 1):
+        previous = F.pad(outs[-1][:, :-1], (0, 0, 1, 0))  # position p gets step s - 1's output at p - 1
+        x, q, k, v = drafter.project(previous, token_embeddings, positions)
+        keys.append(k)
+        values.append(v)
+        # step-1 keys at positions <= the anchor p - s + 1 (within the window), step r's key at p - s + r
+        masks = [(offset >= s - 1) & (offset < drafter.window)] + [offset == s - r for r in range(2, s + 1)]
+        mask = torch.cat(masks, 1)[None].expand(b, t, t * s)
+        outs.append(drafter.finish(x, q, torch.cat(keys, 1), torch.cat(values, 1), mask))
+    return outs
+
 
 class DraftVocabHead:
     """The target's LM head restricted to the draft vocabulary: features -> logits over draft tokens."""
@@ -148,6 +209,9 @@ def build_module(config: dict) -> nn.Module:
     if kind == "eagle":
         return EagleDrafter(config["hidden_size"], config["attention_heads"], config["intermediate_size"],
                             config["window"])
+    if kind == "eagle3":
+        return Eagle3Drafter(config["hidden_size"], config["attention_heads"], config["intermediate_size"],
+                             config["window"], len(config["taps"]))
     raise UserError(f"unknown head kind {kind!r}; expected one of {', '.join(KINDS)}")
 
 
@@ -181,14 +245,19 @@ def load_heads(folder: str | Path) -> tuple[nn.Module, torch.Tensor, dict]:
     return module.eval(), draft_ids, config
 
 
-def check_matches(config: dict, model, where: str) -> None:
-    """UserError when heads were trained for a model of another shape."""
+def check_matches(config: dict, model, where: str, taps: tuple[int, ...] | None = None) -> None:
+    """UserError when heads were trained for a model of another shape, or (EAGLE-3) on other layers than the
+    ``taps`` the strategy's forwards return."""
     hidden = int(model.config.hidden_size)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if config.get("hidden_size") != hidden or config.get("vocab_size") != vocab:
         raise UserError(f"heads in {where} were trained for {config.get('model_id')!r} (hidden "
                         f"{config.get('hidden_size')}, vocab {config.get('vocab_size')}); this model has hidden "
                         f"{hidden}, vocab {vocab}: train heads for it with python -m mtpflow.train_heads")
+    if config.get("kind") == "eagle3" and taps is not None and tuple(config.get("taps") or ()) != tuple(taps):
+        raise UserError(f"eagle3 heads in {where} were trained on layers {list(config.get('taps') or ())} of "
+                        f"{config.get('model_id')!r}; this strategy's forwards return layers {list(taps)}: "
+                        f"train heads for this model with python -m mtpflow.train_heads \"kinds=[eagle3]\"")
 
 
 def default_attention_heads(hidden: int) -> int:

@@ -1,5 +1,5 @@
-"""The ``mtp_heads`` proposer: trained draft heads (Medusa or EAGLE, see ``head_modules``) on the target's
-last hidden state build a candidate TREE from the top-k tokens of each draft position, most probable paths
+"""The ``mtp_heads`` proposer: trained draft heads (Medusa, EAGLE or EAGLE-3, see ``head_modules``) on the
+target's hidden states build a candidate TREE from the top-k tokens of each draft position, most probable paths
 first. Every node carries its draft probability, its path probability (``scores["pfs"]``) and the entropy
 of the distribution it came from, for the PFS pruner.
 """
@@ -15,7 +15,7 @@ from mtpflow.errors import ConfigError, UserError
 from mtpflow.hookspecs import hookimpl
 from mtpflow.strategies.graft import graft_tree
 from mtpflow.strategies.head_modules import (
-    CONFIG_NAME, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
+    CONFIG_NAME, KINDS, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
 )
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
@@ -119,8 +119,9 @@ def _graft_options(name: str, options) -> dict:
 
 
 class MTPHeadsProposer:
-    """Drafts a tree with trained heads. ``kind``: medusa or eagle; ``top_k``: candidates per node;
-    ``max_nodes``: tree size before pruning; ``branch`` (eagle): nodes expanded per depth.
+    """Drafts a tree with trained heads. ``kind``: medusa, eagle or eagle3 (the strategy then needs
+    ``needs_hidden_states: eagle3``); ``top_k``: candidates per node; ``max_nodes``: tree size before pruning;
+    ``branch`` (eagle, eagle3): nodes expanded per depth.
 
     ``lookup`` (null = off, or {min_ngram, max_ngram, max_draft}) also grafts a prompt-lookup chain (the
     continuation of the latest earlier occurrence of the last n tokens, as in ``pld``) into the tree. Heads
@@ -141,8 +142,8 @@ class MTPHeadsProposer:
     def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
                  branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True,
                  recycling=None, suffix=None):
-        if kind not in ("medusa", "eagle"):
-            raise ConfigError(f"strategy.propose.kind must be medusa or eagle, got {kind!r}")
+        if kind not in KINDS:
+            raise ConfigError(f"strategy.propose.kind must be one of {', '.join(KINDS)}, got {kind!r}")
         self.kind, self.heads_path = kind, heads
         self.top_k = check_k("strategy.propose.top_k", top_k)
         self.max_nodes = check_k("strategy.propose.max_nodes", max_nodes)
@@ -191,7 +192,14 @@ class MTPHeadsProposer:
         if config.get("kind") != self.kind:
             raise UserError(f"{folder} holds {config.get('kind')} heads, not {self.kind}")
         model = context.model
-        check_matches(config, model, str(folder))
+        taps = None
+        if self.kind == "eagle3":  # the layers the strategy's forwards return must be the ones it was trained on
+            from mtpflow.request import hidden_taps_of
+
+            spec = ((context.config or {}).get("strategy", {}) or {}).get("needs_hidden_states")
+            taps = hidden_taps_of(model, spec)
+        check_matches(config, model, str(folder), taps)
+        self.width = int(model.config.hidden_size) * (len(config["taps"]) if self.kind == "eagle3" else 1)
         device = next(model.parameters()).device
         self.module = module.to(device)
         self.lm = DraftVocabHead(model.get_output_embeddings().weight.to(device), draft_ids.to(device))
@@ -219,7 +227,12 @@ class MTPHeadsProposer:
         if self.module is None:
             raise UserError("the mtp_heads proposer was not started (on_run_start did not run)")
         if state.hidden is None:
-            raise UserError("the mtp_heads proposer needs hidden states: set needs_hidden_states: true")
+            raise UserError("the mtp_heads proposer needs hidden states: set needs_hidden_states: "
+                            f"{'eagle3' if self.kind == 'eagle3' else 'true'}")
+        if state.hidden.shape[-1] != self.width:
+            raise UserError(f"{self.kind} heads take hidden states of width {self.width}, the forward returned "
+                            f"{state.hidden.shape[-1]}: set the strategy's needs_hidden_states to "
+                            f"{'eagle3' if self.kind == 'eagle3' else 'true'}")
         depth = k if self.depth_limit is None else min(k, max(1, self.depth_limit))
         draft = self._propose_medusa(state, depth) if isinstance(self.module, MedusaHeads) else self._propose_eagle(state, depth)
         self._lookup_n = None
@@ -321,7 +334,7 @@ class MTPHeadsProposer:
             self._reset_cache()  # the prefill (or an unexpected gap): start from these rows
         start = committed - rows
         keep_from = max(start, committed - drafter.window)
-        feats = state.hidden[keep_from - start:].to(self.device)
+        feats = drafter.input_features(state.hidden[keep_from - start:].to(self.device))
         positions = torch.arange(keep_from, committed, device=self.device)
         next_tokens = state.tokens[keep_from + 1: committed + 1].to(self.device)
         x, q, key, value = drafter.project(feats, self.embed(next_tokens).float(), positions)
@@ -333,11 +346,14 @@ class MTPHeadsProposer:
     def _propose_eagle(self, state: DecodeState, k: int) -> Draft:
         drafter: EagleDrafter = self.module
         self._sync_cache(state)
-        root_position = int(state.tokens.numel()) - 1  # position of the newest committed input (f_t, root)
+        # position of the newest committed input (the last with a target hidden state; its next token is the
+        # root): a depth-d node's query sits at root_position + d, as the training crops place it (it was one
+        # further before, a relative offset the drafter never saw in training)
+        root_position = int(state.tokens.numel()) - 2
         n_ctx = self.keys.shape[0]
         mask = torch.ones(1, 1, n_ctx, dtype=torch.bool, device=self.device)
         out = drafter.finish(self.last_x[None], self.last_q[None], self.keys[None], self.values[None], mask)[0]
-        probs = self._distribution(out)[0]  # [draft_vocab], depth 1
+        probs = self._distribution(drafter.head_features(out))[0]  # [draft_vocab], depth 1
         tokens, parents, node_p, path_p, entropy = [], [], [], [], []
         node_k, node_v, node_out = [], [], []  # per node: its key/value and predicted next feature
         ancestors: list[list[int]] = []  # per node: path from depth 1, itself included
@@ -382,7 +398,7 @@ class MTPHeadsProposer:
             keys, values = torch.stack(keys), torch.stack(values)
             mask = torch.ones(len(frontier), 1, keys.shape[1], dtype=torch.bool, device=self.device)
             outs = drafter.finish(x[:, None], q[:, None], keys, values, mask)[:, 0]
-            dists = self._distribution(outs)
+            dists = self._distribution(drafter.head_features(outs))
             new_frontier = []
             for j, n in enumerate(frontier):
                 node_k[n], node_v[n], node_out[n] = key[j], value[j], outs[j]

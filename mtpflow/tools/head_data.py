@@ -1,6 +1,7 @@
 """Self-distillation data for draft heads: the base model writes its own training text from a shipped prompt
 set (batched sampling, cycling temperatures), and we keep, for every position, the last-layer hidden state
-and the model's own greedy choice. Shards are written as they finish, so an interrupted run resumes.
+and the model's own greedy choice (plus, with ``data.taps``, the outputs of the decoder layers EAGLE-3 fuses).
+Shards are written as they finish, so an interrupted run resumes.
 """
 from __future__ import annotations
 
@@ -51,10 +52,12 @@ def settings_key(model_id: str, settings: dict) -> str:
 
 @torch.inference_mode()
 def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos: set[int],
-                 generator: torch.Generator) -> list[dict]:
+                 generator: torch.Generator, taps: tuple[int, ...] = ()) -> list[dict]:
     """Sample continuations for a batch of prompts (left-padded). Per sequence: ``tokens`` [L] (prompt +
     generated), ``hidden`` [L - 1, h] (fp16, the hidden state at each fed input), ``greedy`` [L - 1] (the
-    model's argmax after each input) and ``prompt_len``."""
+    model's argmax after each input) and ``prompt_len``; with ``taps`` (``mtpflow.forward.hidden_taps``) also
+    ``taps`` [L - 1, len(taps) * h] (fp16, those layers' outputs concatenated, as a decoding forward returns
+    them; free here, every forward computes all layers' outputs anyway)."""
     from transformers import DynamicCache
 
     batch = len(prompts)
@@ -67,7 +70,7 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
         attention[i, longest - len(p):] = 1
     positions = (attention.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache(config=model.config)
-    hidden_rows, greedy_rows, token_rows = [], [], [ids]
+    hidden_rows, greedy_rows, token_rows, tap_rows = [], [], [ids], []
     done = torch.zeros(batch, dtype=torch.bool)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
     step_ids, step_pos = ids, positions
@@ -76,6 +79,9 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
                     use_cache=True, output_hidden_states=True)
         logits = out.logits[:, -1].float()
         hidden_rows.append(out.hidden_states[-1].to(torch.float16))
+        if taps:  # tap i is decoder layer i's output, HF's hidden_states[i + 1]; -1 the last (normed) one
+            tap_rows.append(torch.cat([out.hidden_states[-1 if t == -1 else t + 1] for t in taps], -1)
+                            .to(torch.float16))
         greedy_rows.append(out.logits.argmax(-1))
         if temperature > 0:
             nxt = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).flatten()
@@ -94,6 +100,7 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
     tokens = torch.cat(token_rows, -1)
     hidden = torch.cat(hidden_rows, 1)
     greedy = torch.cat(greedy_rows, 1)
+    tapped = torch.cat(tap_rows, 1) if taps else None
     records = []
     for i, p in enumerate(prompts):
         start = longest - len(p)
@@ -104,6 +111,8 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
             "greedy": greedy[i, start:end - 1].to(torch.int32).clone(),
             "prompt_len": len(p),
         })
+        if taps:
+            records[-1]["taps"] = tapped[i, start:end - 1].clone()
     return records
 
 
@@ -127,9 +136,12 @@ def length_buckets(encoded: list[list[int]], batch_size: int, bucket: int = BUCK
 
 
 def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
-    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed;
-    checked by ``train_heads.check_settings``)."""
+    """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed,
+    taps; checked by ``train_heads.check_settings``)."""
+    from mtpflow.forward import hidden_taps
+
     folder.mkdir(parents=True, exist_ok=True)
+    taps = hidden_taps(loaded.model, cfg.get("taps")) if cfg.get("taps") else ()
     prompts = load_prompts(cfg.prompts)
     samples, batch_size = int(cfg.samples), int(cfg.batch_size)
     temperatures = [float(t) for t in cfg.temperatures] or [0.0]
@@ -147,7 +159,8 @@ def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
             continue
         generator = torch.Generator().manual_seed(int(cfg.seed) * 100003 + s)
         temperature = temperatures[s % len(temperatures)]
-        records = sample_batch(loaded.model, batches[s], int(cfg.max_new_tokens), temperature, eos, generator)
+        records = sample_batch(loaded.model, batches[s], int(cfg.max_new_tokens), temperature, eos, generator,
+                               taps)
         tmp = path.with_suffix(".tmp")
         torch.save(records, tmp)
         tmp.replace(path)

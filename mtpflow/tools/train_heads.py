@@ -4,8 +4,9 @@
     python -m mtpflow.train_heads model=hf model.name=ID out=DIR data.samples=512
     python -m mtpflow.train_heads "kinds=[]"                     # only the training text
 
-The base model writes its own training text (``mtpflow.tools.head_data``), then Medusa heads and the EAGLE layer
-learn to predict the model's own greedy choices; each kind is saved to ``out/<kind>/`` and loaded with
+The base model writes its own training text (``mtpflow.tools.head_data``), then Medusa heads, the EAGLE layer and
+(``"kinds=[eagle3]"``) the EAGLE-3 layer learn to predict the model's own greedy choices; each kind is saved to
+``out/<kind>/`` and loaded with
 ``strategy=medusa strategy.propose.heads=out/medusa`` (or ``model.heads=out``). ``export=vllm out=DIR`` trains
 nothing: it writes the EAGLE heads of ``model.heads`` (default: the shipped ones) as a vLLM draft checkpoint
 (``mtpflow.tools.export_vllm``).
@@ -27,7 +28,7 @@ from tqdm import tqdm
 from mtpflow.errors import ConfigError, UserError, check_int, check_range, writable_folder
 from mtpflow.model import model_slug
 from mtpflow.strategies.head_modules import (
-    EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads,
+    Eagle3Drafter, EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads, unroll,
 )
 
 _lock = threading.Lock()
@@ -238,6 +239,92 @@ def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed) -> tuple
     return drafter.eval(), {"held_out_top1": best.metrics, "best_step": best.step}, layer_cfg
 
 
+def drafter_crops(records, length, g, embed, index, key):
+    """Random crops of ``length`` inputs for unrolled drafting: the drafter's target features at input j
+    (``r[key]``: "hidden" for EAGLE, "taps" for EAGLE-3), embeddings of x_{j+1}, labels (the model's choice after
+    input j + 1, -100 past the end) and a mask of the inputs at or after the last prompt token (the anchors
+    whose drafts count)."""
+    feats, embs, labels, mask, pos = [], [], [], [], []
+    for r in records:
+        n = r[key].shape[0]
+        usable = n - 1  # input j's label is the choice after input j + 1
+        if usable < 2:
+            continue
+        t = min(length, usable)
+        lo = int(torch.randint(0, usable - t + 1, (1,), generator=g))
+        j = torch.arange(lo, lo + t)
+        pad = length - t
+        feats.append(F.pad(r[key][j].float(), (0, 0, 0, pad)))
+        embs.append(F.pad(embed(r["tokens"][j + 1].long()).float(), (0, 0, 0, pad)))
+        labels.append(F.pad(index[r["greedy"][j + 1].long()], (0, pad), value=-100))
+        mask.append(F.pad(j >= r["prompt_len"] - 1, (0, pad)))
+        pos.append(F.pad(j, (0, pad)))
+    return torch.stack(feats), torch.stack(embs), torch.stack(labels), torch.stack(mask), torch.stack(pos)
+
+
+def step_labels(labels: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+    """Labels of draft step ``step`` (1-based) in an unrolled crop: position p drafts from anchor p - step + 1,
+    which must exist in the crop and lie in the generated text; -100 elsewhere."""
+    anchor_ok = F.pad(mask[:, : mask.shape[1] - (step - 1)], (step - 1, 0), value=False)
+    return torch.where(anchor_ok, labels, torch.full_like(labels, -100))
+
+
+@torch.no_grad()
+def unrolled_accuracy(drafter: EagleDrafter, crops, lm, steps: int) -> list[float]:
+    """Held-out top-1 accuracy of draft steps 1..steps, each drafted from the drafter's own earlier outputs
+    (what tree drafting does; the earlier tokens are the model's own, i.e. the accuracy given an accepted
+    prefix)."""
+    f, e, lab, m, pos = crops
+    was_training = drafter.training
+    drafter.eval()
+    outs = unroll(drafter, drafter.input_features(f), e, pos, steps)
+    drafter.train(was_training)
+    return [round(head_accuracy(lm(drafter.head_features(o)), step_labels(lab, m, s + 1)), 4)
+            for s, o in enumerate(outs)]
+
+
+def train_eagle3(cfg, records, held_out, lm, index, embed, hidden, taps, seed) -> tuple[Eagle3Drafter, dict, dict]:
+    """EAGLE-3: token loss only, on every step of a ``train_steps``-deep unrolled draft (training-time test)."""
+    torch.manual_seed(seed)
+    heads = int(cfg.attention_heads) or default_attention_heads(hidden)
+    layer_cfg = {"attention_heads": heads, "intermediate_size": int(cfg.intermediate_size), "window": int(cfg.window),
+                 "taps": list(taps)}
+    drafter = Eagle3Drafter(hidden, heads, int(cfg.intermediate_size), int(cfg.window), len(taps))
+    opt = torch.optim.AdamW(drafter.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
+    steps, depth = int(cfg.steps), int(cfg.train_steps)
+    sched = lr_schedule(opt, float(cfg.lr), steps)
+    weights = [float(cfg.step_decay) ** s for s in range(depth)]
+    g = torch.Generator().manual_seed(seed)
+    held = drafter_crops(held_out[:64], int(cfg.sequence_length), torch.Generator().manual_seed(seed + 1), embed,
+                         index, "taps")
+    eval_steps = max(depth, 3)
+
+    best = Checkpoint(drafter)
+    bar = tqdm(range(steps), desc="train eagle3 layer", unit="step")
+    for step in bar:
+        sample = [records[int(torch.randint(0, len(records), (1,), generator=g))] for _ in range(int(cfg.batch_sequences))]
+        f, e, lab, m, pos = drafter_crops(sample, int(cfg.sequence_length), g, embed, index, "taps")
+        outs = unroll(drafter, drafter.input_features(f), e, pos, depth)
+        losses = [F.cross_entropy(lm(drafter.head_features(o)).flatten(0, 1), step_labels(lab, m, s + 1).flatten(),
+                                  ignore_index=-100) for s, o in enumerate(outs)]
+        loss = sum(w * x for w, x in zip(weights, losses)) / sum(weights)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        bar.set_postfix(ce=" ".join(f"{x.item():.2f}" for x in losses), best=f"{best.score:.3f}")
+        if (step + 1) % int(cfg.eval_every) == 0 or step + 1 == steps:
+            acc = unrolled_accuracy(drafter, held, lm, eval_steps)
+            # the checkpoint score: expected accepted drafts of a chain (acc1 + acc1 acc2 + ...), what MAL grows with
+            score, run = 0.0, 1.0
+            for a in acc:
+                run *= a
+                score += run
+            best.offer(step + 1, score, acc)
+    best.restore()
+    return drafter.eval(), {"held_out_top1": best.metrics, "best_step": best.step}, layer_cfg
+
+
 def data_folder(cfg: DictConfig, model_id: str) -> tuple[Path, dict]:
     """(shard folder, data settings): ``data.folder`` if set, else one folder per model and data settings under
     the cache, so a rerun with the same settings resumes and reuses the text."""
@@ -261,21 +348,27 @@ def check_settings(cfg: DictConfig) -> list[str]:
         raise ConfigError(f"kinds must be a list such as [medusa, eagle] or [], got {cfg.kinds!r}")
     kinds = list(cfg.kinds)
     for kind in kinds:
-        if kind not in ("medusa", "eagle"):
-            raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle)")
+        if kind not in ("medusa", "eagle", "eagle3"):
+            raise ConfigError(f"kinds: unknown head kind {kind!r} (medusa, eagle, eagle3)")
+    if "eagle3" in kinds and not cfg.data.get("taps"):
+        raise ConfigError("kinds: eagle3 heads train on the target's tapped layers: set data.taps (e.g. eagle3)")
     whole = {"data.samples": 1, "data.batch_size": 1, "data.bucket": 1, "data.max_new_tokens": 2, "draft_vocab": 0,
              "threads": 0, "seed": 0, "data.seed": 0,
              "medusa.num_heads": 1, "medusa.steps": 1, "medusa.batch_tokens": 1, "medusa.eval_every": 1,
              "eagle.window": 1, "eagle.intermediate_size": 1, "eagle.attention_heads": 0, "eagle.steps": 1,
-             "eagle.batch_sequences": 1, "eagle.sequence_length": 1, "eagle.eval_every": 1}
+             "eagle.batch_sequences": 1, "eagle.sequence_length": 1, "eagle.eval_every": 1,
+             "eagle3.window": 1, "eagle3.intermediate_size": 1, "eagle3.attention_heads": 0, "eagle3.steps": 1,
+             "eagle3.batch_sequences": 1, "eagle3.sequence_length": 2, "eagle3.eval_every": 1,
+             "eagle3.train_steps": 1}
     for name, low in whole.items():
         check_int(name, OmegaConf.select(cfg, name), low)
-    for kind in ("medusa", "eagle"):
+    for kind in ("medusa", "eagle", "eagle3"):
         check_range(f"{kind}.lr", cfg[kind].lr, 0, None, low_inclusive=False)
         check_range(f"{kind}.weight_decay", cfg[kind].weight_decay, 0, None)
     check_range("medusa.head_decay", cfg.medusa.head_decay, 0, 1, low_inclusive=False)
     check_range("eagle.feature_weight", cfg.eagle.feature_weight, 0, None)
     check_range("eagle.noise", cfg.eagle.noise, 0, None)
+    check_range("eagle3.step_decay", cfg.eagle3.step_decay, 0, 1, low_inclusive=False)
     if not isinstance(cfg.data.temperatures, ListConfig):
         raise ConfigError(f"data.temperatures must be a list such as [0.0, 0.5], got {cfg.data.temperatures!r}")
     for t in cfg.data.temperatures:
@@ -343,9 +436,24 @@ def run(cfg: DictConfig, loaded=None) -> Path:
         if kind == "medusa":
             module, metrics = train_medusa(cfg.medusa, train, held_out, lm, index, hidden, int(cfg.seed))
             config = {**base, "kind": "medusa", "num_heads": int(cfg.medusa.num_heads)}
-        else:
+        elif kind == "eagle":
             module, metrics, layer_cfg = train_eagle(cfg.eagle, train, held_out, lm, index, embed, hidden, int(cfg.seed))
+            if "taps" in records[0]:  # the same per-step measure as eagle3's, for comparison
+                crops = drafter_crops(held_out[:64], int(cfg.eagle3.sequence_length),
+                                      torch.Generator().manual_seed(int(cfg.seed) + 1), embed, index, "hidden")
+                metrics["held_out_top1_per_step"] = unrolled_accuracy(module, crops, lm, 3)
             config = {**base, "kind": "eagle", "num_heads": 1, **layer_cfg}
+        else:
+            from mtpflow.forward import hidden_taps
+
+            if "taps" not in records[0]:
+                raise UserError(f"the training text in {folder} has no tapped layers: set data.taps")
+            taps = hidden_taps(model, OmegaConf.to_container(cfg.data.taps) if OmegaConf.is_config(cfg.data.taps)
+                               else cfg.data.taps)
+            module, metrics, layer_cfg = train_eagle3(cfg.eagle3, train, held_out, lm, index, embed, hidden, taps,
+                                                      int(cfg.seed))
+            config = {**base, "kind": "eagle3", "num_heads": 1, "taps_spec": OmegaConf.to_container(cfg.data.taps)
+                      if OmegaConf.is_config(cfg.data.taps) else cfg.data.taps, **layer_cfg}
         config["training"] = {**training, **metrics, "train_seconds": round(time.perf_counter() - t_kind, 1),
                               "settings": OmegaConf.to_container(cfg[kind], resolve=True)}
         save_heads(out / kind, module, draft_ids, config)

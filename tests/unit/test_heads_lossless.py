@@ -8,7 +8,8 @@ import torch
 
 from helpers import hf_greedy, make_pipeline, tiny_loaded
 from mtpflow.errors import UserError
-from mtpflow.strategies.head_modules import EagleDrafter, MedusaHeads, load_heads, save_heads
+from mtpflow.forward import hidden_taps
+from mtpflow.strategies.head_modules import Eagle3Drafter, EagleDrafter, MedusaHeads, load_heads, save_heads
 
 
 @pytest.fixture(autouse=True)
@@ -21,7 +22,7 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-def random_heads(loaded, kind: str, folder, seed: int = 0, scale: float = 0.05, draft_vocab: int = 0):
+def random_heads(loaded, kind: str, folder, seed: int = 0, scale: float = 0.05, draft_vocab: int = 0, taps=None):
     """Save randomly initialised heads of ``kind`` for ``loaded``'s model into ``folder``; returns folder."""
     torch.manual_seed(seed)
     hidden = loaded.model.config.hidden_size
@@ -31,9 +32,13 @@ def random_heads(loaded, kind: str, folder, seed: int = 0, scale: float = 0.05, 
         for block in module.blocks:  # the default zero init would make every head repeat the root
             torch.nn.init.normal_(block.linear.weight, std=scale)
         extra = {"num_heads": 3}
-    else:
+    elif kind == "eagle":
         module = EagleDrafter(hidden, 4, 2 * hidden, window=8)
         extra = {"num_heads": 1, "attention_heads": 4, "intermediate_size": 2 * hidden, "window": 8}
+    else:  # eagle3: on the layers needs_hidden_states: eagle3 taps (unless ``taps`` says otherwise)
+        taps = list(hidden_taps(loaded.model, "eagle3")) if taps is None else list(taps)
+        module = Eagle3Drafter(hidden, 4, 2 * hidden, window=8, taps=len(taps))
+        extra = {"num_heads": 1, "attention_heads": 4, "intermediate_size": 2 * hidden, "window": 8, "taps": taps}
     ids = torch.arange(vocab) if not draft_vocab else torch.randperm(vocab)[:draft_vocab].sort().values
     config = {"model_id": loaded.model_id, "hidden_size": hidden, "vocab_size": vocab, "kind": kind, **extra}
     save_heads(folder, module, ids, config, dtype=torch.float32)
@@ -49,7 +54,7 @@ def prompts(vocab: int, n: int, seed: int):
     return out
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_random_heads_match_hf_greedy(tiny, kind, tmp_path):
     folder = random_heads(tiny, kind, tmp_path / kind)
     trees = 0
@@ -62,7 +67,7 @@ def test_random_heads_match_hf_greedy(tiny, kind, tmp_path):
     assert trees > 0  # the drafts really were trees
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
 def test_other_models_draft_vocab_and_pruning(kind, tmp_path):
     """Another seed and depth, a draft vocabulary smaller than the model's, and the adaptive PFS threshold."""
     loaded = tiny_loaded(seed=5, layers=3)

@@ -1,5 +1,5 @@
 """Speculative sampling over draft-head trees keeps the target distribution: the tokens a tiny 8-token model
-emits with Medusa / EAGLE trees (random heads; for mtp with a prompt-lookup chain grafted in) follow the same law as plain sampling (chi-square)."""
+emits with Medusa / EAGLE / EAGLE-3 trees (random heads; for mtp with a prompt-lookup chain grafted in) follow the same law as plain sampling (chi-square)."""
 from __future__ import annotations
 
 from collections import Counter
@@ -28,12 +28,12 @@ def sample_counts(pipe, prompt, n):
     return counts, drafted, trees, lookups
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])  # mtp: Medusa tree + grafted lookup chain
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])  # mtp: Medusa tree + grafted lookup chain
 def test_tree_sampling_matches_plain_sampling(kind, tmp_path):
     model = make_tiny_model(VOCAB, seed=2, init=0.5)
     model.generation_config.eos_token_id = None
     loaded = LoadedModel(model, make_tiny_tokenizer(), "tiny-8", torch.device("cpu"), torch.float32, 1024, (-1,))
-    folder = random_heads(loaded, "eagle" if kind == "eagle" else "medusa", tmp_path / kind, seed=4, scale=0.5)
+    folder = random_heads(loaded, kind if kind in ("eagle", "eagle3") else "medusa", tmp_path / kind, seed=4, scale=0.5)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n = 400
     plain, _, _, _ = sample_counts(make_pipeline(loaded, "baseline", "max_new_tokens=4", "temperature=1.0"), prompt, n)
