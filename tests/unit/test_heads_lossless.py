@@ -128,7 +128,7 @@ def test_save_load_round_trip(tiny, tmp_path):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
 def test_shipped_heads_match_hf_greedy(default_loaded, kind):
     from mtpflow.model import encode_prompt
 
