@@ -141,7 +141,12 @@ def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
     from mtpflow.forward import hidden_taps
 
     folder.mkdir(parents=True, exist_ok=True)
-    taps = hidden_taps(loaded.model, cfg.get("taps")) if cfg.get("taps") else ()
+    spec = cfg.get("taps")
+    try:
+        taps = hidden_taps(loaded.model, list(spec) if hasattr(spec, "__len__") and not isinstance(spec, str)
+                           else spec) if spec else ()
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"data.taps: {exc}") from None
     prompts = load_prompts(cfg.prompts)
     samples, batch_size = int(cfg.samples), int(cfg.batch_size)
     temperatures = [float(t) for t in cfg.temperatures] or [0.0]

@@ -137,3 +137,13 @@ def test_eagle3_training_needs_tapped_data(tmp_path):
     with pytest.raises(ConfigError, match="data.taps"):
         run(compose(["kinds=[eagle3]", "data.taps=null", f"data.folder={tmp_path / 'd'}", f"out={tmp_path / 'h'}"]),
             loaded=tiny_loaded(seed=0))
+
+
+@pytest.mark.parametrize("bad", ["data.taps=[40]", "data.taps=foo"])
+def test_bad_taps_for_the_training_text_are_one_line(bad, tmp_path):
+    from mtpflow.tools.train_heads import compose, run
+
+    with pytest.raises(UserError, match="data.taps") as info:
+        run(compose(["kinds=[]", bad, f"data.folder={tmp_path / 'd'}", "data.samples=2", "data.batch_size=2",
+                     "data.max_new_tokens=3"]), loaded=tiny_loaded(seed=0))
+    assert "\n" not in str(info.value)
