@@ -46,6 +46,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from typing import Iterator
 
 import torch
@@ -130,6 +131,11 @@ class PackedLinear(torch.nn.Linear):
         return self._mtpflow_panels[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # a compiled forward (mtpflow.compiled): one opaque op per linear
+            return torch.ops.mtpflow.packed_linear(x, self.weight, self.bias)
+        return self._eager(x)
+
+    def _eager(self, x: torch.Tensor) -> torch.Tensor:
         if not _active.get() or x.device.type != "cpu" or x.dtype != torch.float32 \
                 or self.weight.dtype != torch.float32 or torch.is_grad_enabled():
             return F.linear(x, self.weight, self.bias)
@@ -151,6 +157,32 @@ class PackedLinear(torch.nn.Linear):
         bias = None if self.bias is None else self.bias.detach()
         y = torch.ops.mkldnn._linear_pointwise(rows, self._packed_weight(), bias, "none", [], "")
         return y.reshape(*x.shape[:-1], self.out_features)
+
+
+# weight storage address -> PackedLinear, for the custom op below: an op takes tensors, not modules, so the op
+# finds its module by the weight it is given (an address, not a number baked into the graph: a graph must be
+# the same in every process for the disk cache to hit). Weak: a dropped model leaves nothing behind.
+_COMPILED_LINEARS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def register_for_compile(model: torch.nn.Module) -> None:
+    """Make ``model``'s PackedLinears callable from a compiled graph (``mtpflow::packed_linear``)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            _COMPILED_LINEARS[m.weight.data_ptr()] = m
+
+
+@torch.library.custom_op("mtpflow::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A PackedLinear's own path (its per-row-count plan, the native or int8 kernel) as one op that
+    ``torch.compile`` does not trace into: Inductor fuses what lies between the linears and calls this for each."""
+    with packed():
+        return _COMPILED_LINEARS[weight.data_ptr()]._eager(x)
+
+
+@_packed_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def linear_bytes(model: torch.nn.Module) -> int:

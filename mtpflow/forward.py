@@ -24,6 +24,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 SUPPORTED = ("LlamaForCausalLM",)
 
@@ -96,7 +97,7 @@ def _causal_mask(q: int, kv: int, device) -> torch.Tensor | None:
 
 
 def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-            cache, need_hidden=False, logits_to_keep: int = 0):
+            cache, need_hidden=False, logits_to_keep: int = 0, layer=None):
     """``model(input_ids, position_ids, attention_mask, cache=cache, use_cache=True)`` for a supported model.
 
     input_ids, position_ids: [B, q]; attention_mask: None (causal, queries after the cache) or the additive /
@@ -104,9 +105,9 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     new keys and values (the pool views of ``mtpflow.kv_cache``); need_hidden: False, True or a tuple of taps
     (``hidden_taps``). Returns (logits [B, q or logits_to_keep, vocab], the taps concatenated
     [B, q, hidden * len(taps)] or None; True: the last hidden state after the final norm). The norms, the
-    MLPs and the rotary embedding are the model's own modules and functions; only the attention block is written out here."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    MLPs and the rotary embedding are the model's own modules and functions; only the attention block is
+    written out (``decoder_layer``). ``layer``: a stand-in for ``decoder_layer`` with its signature (the
+    compiled one of ``mtpflow.compiled``, given the pool's buffers instead of ``cache``)."""
     inner = model.model
     apply_rotary = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = inner.embed_tokens(input_ids)
@@ -114,35 +115,62 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     b, q = input_ids.shape
     taps = taps_of(need_hidden)
     tapped = {}
-    mask, causal_checked = attention_mask, attention_mask is not None or q == 1
-    for index, layer in enumerate(inner.layers[: model.config.num_hidden_layers]):
-        attn = layer.self_attn
-        residual = h
-        x = layer.input_layernorm(h)
-        shape = (b, q, -1, attn.head_dim)
-        query = attn.q_proj(x).view(shape).transpose(1, 2)
-        key = attn.k_proj(x).view(shape).transpose(1, 2)
-        value = attn.v_proj(x).view(shape).transpose(1, 2)
-        query, key = apply_rotary(query, key, cos, sin)
-        key, value = cache.update(key, value, attn.layer_idx)
-        if not causal_checked:  # every layer holds as many entries: one mask serves them all
-            mask, causal_checked = _causal_mask(q, key.shape[2], h.device), True
-        if q > 1 and getattr(attn, "num_key_value_groups", 1) > 1:
-            # several query rows (a prefill, a chain, a tree): SDPA's own GQA instead of HF's repeat_kv copy of
-            # the keys and values (bit-identical here, 25-40% less time for 4-17 rows over 150-400 entries)
-            out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0,
-                                                 is_causal=mask is None, scale=attn.scaling, enable_gqa=True)
-            out = out.transpose(1, 2).contiguous()
+    mask = attention_mask
+    if mask is None and q > 1:  # every layer holds as many entries: one mask serves them all
+        mask = _causal_mask(q, cache.get_seq_length() + q, h.device)
+    for index, block in enumerate(inner.layers[: model.config.num_hidden_layers]):
+        if layer is None:
+            h = decoder_layer(block, h, cos, sin, mask, functools.partial(cache.update, layer_idx=index),
+                              apply_rotary)
         else:
-            out, _ = sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
-        h = residual + attn.o_proj(out.reshape(b, q, -1).contiguous())
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = layer(block, index, h, cos, sin, mask, apply_rotary)
         if index in taps:
             tapped[index] = h
     h = inner.norm(h)
     tapped[-1] = h
     kept = h[:, -logits_to_keep:] if logits_to_keep else h
     return model.lm_head(kept), _concat_taps(tapped, taps)
+
+
+def decoder_layer(block, h, cos, sin, mask, update, apply_rotary, compiled: bool = False):
+    """One decoder layer (HF's ``LlamaDecoderLayer`` arithmetic, in its order): ``update(key, value)`` stores
+    the new entries and returns the layer's keys and values to attend to. ``compiled=True`` (the
+    compiled forward) attends through ``grouped_attention``, the same for any row count."""
+    attn = block.self_attn
+    b, q = h.shape[:2]
+    residual = h
+    x = block.input_layernorm(h)
+    shape = (b, q, -1, attn.head_dim)
+    query = attn.q_proj(x).view(shape).transpose(1, 2)
+    key = attn.k_proj(x).view(shape).transpose(1, 2)
+    value = attn.v_proj(x).view(shape).transpose(1, 2)
+    query, key = apply_rotary(query, key, cos, sin)
+    key, value = update(key, value)
+    if compiled:
+        out = grouped_attention(query, key, value, mask, attn.scaling)
+    elif getattr(attn, "num_key_value_groups", 1) > 1 and q > 1:
+        # several query rows (a prefill, a chain, a tree): SDPA's own GQA instead of HF's repeat_kv copy of
+        # the keys and values (bit-identical here, 25-40% less time for 4-17 rows over 150-400 entries)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=0.0,
+                                             is_causal=mask is None, scale=attn.scaling, enable_gqa=True)
+        out = out.transpose(1, 2).contiguous()
+    else:
+        out, _ = sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
+    h = residual + attn.o_proj(out.reshape(b, q, -1).contiguous())
+    return h + block.mlp(block.post_attention_layernorm(h))
+
+
+def grouped_attention(query, key, value, mask, scale: float) -> torch.Tensor:
+    """Attention written out for the compiled forward (Inductor fuses the mask, softmax and scaling; its lowering
+    of SDPA's CPU kernel wants strides a view into the KV pool does not have): query [B, H, q, d], key and value
+    [B, Hkv, kv, d] (H a multiple of Hkv, grouped-query), additive mask [B, 1, q, kv]. Returns [B, q, H, d]."""
+    b, heads, q, d = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    scores = query.reshape(b, kv_heads, groups * q, d) @ key.transpose(-1, -2) * scale  # [B, Hkv, G * q, kv]
+    scores = scores.view(b, kv_heads, groups, q, -1) + mask[:, :, None]
+    probs = torch.softmax(scores.float(), dim=-1).to(value.dtype).view(b, kv_heads, groups * q, -1)
+    return (probs @ value).view(b, heads, q, d).transpose(1, 2)
 
 
 def _concat_taps(tapped: dict, taps: tuple[int, ...]):
@@ -166,6 +194,12 @@ def run(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_ma
     """One forward over a KV-pool cache, as (logits, the hidden-state taps or None): ``forward`` where the model
     is supported, else the model's own forward (``logits_to_keep`` where it takes it, else every row's)."""
     if supports(model):
+        if getattr(model, "_mtpflow_compiled", None) is not None:
+            from mtpflow import compiled
+
+            out = compiled.run(model, input_ids, position_ids, attention_mask, cache, taps_of(need_hidden))
+            if out is not None:
+                return out
         return forward(model, input_ids, position_ids, attention_mask, cache, need_hidden, logits_to_keep)
     takes_keep = logits_to_keep and _forward_takes(type(model), "logits_to_keep")
     extra = {"logits_to_keep": logits_to_keep} if takes_keep else {}

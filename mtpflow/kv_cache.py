@@ -218,11 +218,8 @@ class BatchLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         c = self.cache
-        pool = c.pool
-        b, h, q, d = key_states.shape
-        pool.keys[self.layer_idx][c.row_index, :, c.position_index] = key_states.transpose(1, 2).reshape(b * q, h, d)
-        pool.values[self.layer_idx][c.row_index, :, c.position_index] = value_states.transpose(1, 2).reshape(b * q, h, d)
-        return pool.keys[self.layer_idx][:b, :, : c.kv_length], pool.values[self.layer_idx][:b, :, : c.kv_length]
+        return write_rows(c.pool.keys[self.layer_idx], c.pool.values[self.layer_idx], c.row_index, c.position_index,
+                          key_states, value_states, c.kv_length)
 
     def get_seq_length(self) -> int:
         return self.cache.kv_length - self.cache.query_length
@@ -232,6 +229,16 @@ class BatchLayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a batch view is rolled back through each sequence's length")
+
+
+def write_rows(keys, values, rows, positions, key_states, value_states, kv_length):
+    """One layer's batched write: entry ``i`` of the new keys / values ([B, heads, q, d], flattened row-major
+    over B and q) goes to row ``rows[i]`` at ``positions[i]`` of the buffers ([slots, heads, capacity, d]);
+    returns what attention reads, rows ``0..B-1`` up to ``kv_length`` (views, no copy)."""
+    b, h, q, d = key_states.shape
+    keys[rows, :, positions] = key_states.transpose(1, 2).reshape(b * q, h, d)
+    values[rows, :, positions] = value_states.transpose(1, 2).reshape(b * q, h, d)
+    return keys[:b, :, :kv_length], values[:b, :, :kv_length]
 
 
 class BatchCache(Cache):

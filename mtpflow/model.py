@@ -174,14 +174,24 @@ def resolve_source(name: str | None, gguf_file: str | None) -> tuple[str, str]:
 
 def load_configured(m) -> LoadedModel:
     """``load_model`` for a config's ``model`` group (``cfg.model``)."""
-    return load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation, m.get("quantize"))
+    return load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation, m.get("quantize"),
+                      check_compile(m.get("compile", False)))
+
+
+def check_compile(value) -> bool:
+    """``model.compile``: true or false (one line otherwise)."""
+    if isinstance(value, bool):
+        return value
+    raise UserError(f"model.compile must be true or false, got {value!r}")
 
 
 @functools.lru_cache(maxsize=4)
 def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str = "auto",
-               device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None) -> LoadedModel:
+               device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None,
+               compile: bool = False) -> LoadedModel:
     """Load (once per process and argument set) a causal LM and its tokenizer; ``quantize="int8"`` turns its
-    linear weights into int8 (``mtpflow.kernels.cpu_linear.quantize``)."""
+    linear weights into int8 (``mtpflow.kernels.cpu_linear.quantize``); ``compile`` compiles its batched
+    verify forward (``mtpflow.compiled``)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -205,6 +215,10 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
     cpu_linear.prepare(model, "auto")  # oneDNN small-batch linears on CPU; stock HF unless a run enables them
     if quantize:
         cpu_linear.quantize(model, str(quantize))
+    if compile:
+        from mtpflow import compiled
+
+        compiled.enable(model, f"{model_id}:{quantize}")
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:
