@@ -74,6 +74,7 @@ class Compiled:
         self.compile_seconds: float | None = None  # the first call: load or compile, and run
         self.loaded_artifacts = False
         self._saved_graphs = 0  # Dynamo's graph count when the artifacts were last written
+        self._marked_buffers = None  # the pool's first key buffer when their capacity was marked dynamic
         self._fn = None
 
     def path(self):
@@ -132,9 +133,16 @@ class Compiled:
                 cpu_linear.register_for_compile(self.model)  # linears a run packed after ``enable``
                 self._fn = self._build()
             rows, positions, layer = cache.row_index, cache.position_index, self._fn
+            mark = torch._dynamo.maybe_mark_dynamic
+            if pool.keys[0] is not self._marked_buffers:  # new buffers (the pool grew): their capacity varies
+                self._marked_buffers = pool.keys[0]
+                for buf in (*pool.keys, *pool.values):
+                    mark(buf, 2)
 
             def compiled_layer(block, index, h, cos, sin, mask, apply_rotary):
-                _mark_dynamic(h, cos, sin, mask, rows, positions, pool.keys[index], pool.values[index])
+                mark(h, 0), mark(h, 1)  # a new tensor every layer
+                if index == 0:
+                    _mark_dynamic(cos, sin, mask, rows, positions)
                 return layer(block, h, cos, sin, mask, pool.keys[index], pool.values[index], rows, positions,
                              apply_rotary)
 
@@ -162,13 +170,14 @@ def _graph_count() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _mark_dynamic(h, cos, sin, mask, rows, positions, keys, values) -> None:
-    """The sizes that vary between calls: rows of the batch, draft rows, cache length (written and read), the
-    pool's capacity. Everything else (hidden size, heads, the mask's head dimension of one) is static."""
+def _mark_dynamic(cos, sin, mask, rows, positions) -> None:
+    """The sizes that vary between calls (rows of the batch, draft rows, cache length); the hidden size, heads
+    and the mask's head dimension of one stay static. Marks matter when Dynamo traces: a graph compiled later
+    for a new shape class must see them too, so every forward marks its inputs (a few microseconds)."""
     mark = torch._dynamo.maybe_mark_dynamic
-    for t in (h, cos, sin):
+    for t in (cos, sin):
         mark(t, 0), mark(t, 1)
-    mark(mask, 0), mark(mask, 2), mark(mask, 3), mark(rows, 0), mark(positions, 0), mark(keys, 2), mark(values, 2)
+    mark(mask, 0), mark(mask, 2), mark(mask, 3), mark(rows, 0), mark(positions, 0)
 
 
 @contextlib.contextmanager
