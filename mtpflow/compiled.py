@@ -115,9 +115,6 @@ class Compiled:
             pass  # an unwritable cache only means compiling again next time
 
     def _build(self):
-        from torch._dynamo import config as dynamo_config
-
-        dynamo_config.cache_size_limit = max(dynamo_config.cache_size_limit, 16)
         self._load_artifacts()
         return torch.compile(_layer, dynamic=False, fullgraph=True)
 

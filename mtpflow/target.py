@@ -59,10 +59,6 @@ class Target:
         self.forwards = 0
 
     @property
-    def need_hidden(self) -> bool:
-        return bool(self.taps)
-
-    @property
     def cache_len(self) -> int:
         """Entries in this sequence's cache."""
         return self.kv.length
@@ -148,7 +144,7 @@ class Target:
 
 @torch.inference_mode()
 def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Draft],
-                 root_positions: list[int], need_hidden=None) -> list[Verification]:
+                 root_positions: list[int]) -> list[Verification]:
     """ONE forward over every sequence in the pool: each row feeds its root plus its own draft (chain or
     tree, any size, none at all) over its own cache length.
 
@@ -156,8 +152,7 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
     ``[B, 1, q, max_len + q]`` gives each row its prefix, its own tree and nothing of its padding, and
     ``position_ids [B, q]`` count from each sequence's first token. Pool slots that are not in ``targets``
     (a sequence still waiting for its prefill, or verifying alone) ride along as fully padded rows. The forward
-    returns the union of the targets' hidden-state taps (``need_hidden``: None = that union); each sequence
-    gets its own taps back.
+    returns the union of the targets' hidden-state taps; each sequence gets its own taps back.
     """
     t0 = time.perf_counter()
     pool = targets[0].pool
@@ -190,8 +185,6 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
     mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
     taps = tuple(sorted({t for target in targets for t in target.taps}))
-    if need_hidden is not None and not need_hidden:
-        taps = ()
     logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask.to(device), cache,
                                       taps)
     seconds = time.perf_counter() - t0
