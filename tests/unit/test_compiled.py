@@ -62,7 +62,9 @@ def test_compiled_batch_equals_hf_greedy(max_batch_size=4):
     state = compiled.describe(loaded.model)
     assert state["compiled"] and state["compile_seconds"] > 0 and drafted > 0
     # every batch size, draft size and cache length of the run: one new entry in all, one per sequence, drafts
-    assert graphs() - before <= 3
+    # (the slices into the pool used to split a class in two, "every slot used" or not, depending on which batch
+    # size the scheduler happened to trace first: 5 graphs on one CI run; torch._check in write_rows keeps it 3)
+    assert graphs() - before <= 3, f"{graphs() - before} graphs; TORCH_LOGS=recompiles says why"
 
 
 def test_failed_compile_runs_eager_with_one_line(capsys, monkeypatch):
