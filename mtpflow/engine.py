@@ -216,6 +216,7 @@ class Engine:
         self.cfg = cfg
         self.max_batch_size = check_int("max_batch_size", cfg.get("max_batch_size", 8), 1, 256)
         self.max_waiting = check_int("max_waiting", cfg.get("max_waiting", 1024), 0)
+        self.prefill_tokens_per_step = check_int("prefill_tokens_per_step", cfg.get("prefill_tokens_per_step", 512), 1)
         m = cfg.model
         self.default_strategy = str(cfg.strategy.get("name"))
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
@@ -318,10 +319,18 @@ class Engine:
         openmp.release_workers()  # this thread now mostly waits: its idle OpenMP workers would slow the engine's
         return handle
 
+    def submit_many(self, requests: list[Request], **kwargs) -> list[RequestHandle]:
+        """Queue several requests at once (``submit(..., wait=True)`` each, with the same keywords): the queue
+        lock is held while they are queued (waiting for room releases it), so an idle engine admits them
+        together instead of starting on the first while the rest are still being checked."""
+        with self._lock:
+            return [self.submit(r, wait=True, **kwargs) for r in requests]
+
     def generate(self, requests: list[Request] | Request) -> list[DecodeResult]:
-        """Decode a list of requests together; results in the same order (a failed one raises)."""
+        """Decode a list of requests together (``submit_many``); results in the same order (a failed one
+        raises)."""
         single = isinstance(requests, Request)
-        handles = [self.submit(r, wait=True) for r in ([requests] if single else requests)]
+        handles = self.submit_many([requests] if single else requests)
         results = [h.result() for h in handles]
         return results[0] if single else results
 
@@ -406,19 +415,28 @@ class Engine:
                         self._end(seq, handle, exc)
 
     def _admit(self) -> None:
-        """Start waiting requests while there is room: all of them into an idle engine, one per step otherwise."""
+        """Start waiting requests while there is room: all of them into an idle engine; while others decode,
+        as many as fit in ``prefill_tokens_per_step`` prompt tokens (always at least one), so joining
+        requests stall the running ones for a bounded time."""
         budget = self.max_batch_size - len(self._running)
-        if self._running:
-            budget = min(budget, 1)
+        tokens_left = self.prefill_tokens_per_step if self._running else None
+        admitted = 0
         while budget > 0:
             with self._lock:
                 if not self._queue:
                     return
-                handle = self._queue.popleft()
+                handle = self._queue[0]
+                size = int(handle.prepared.prompt_ids.numel())
+                if tokens_left is not None and admitted and size > tokens_left:
+                    return
+                self._queue.popleft()
             if handle._cancelled:
                 handle._finish(INTERRUPTED, None, None)
                 continue
             budget -= 1
+            admitted += 1
+            if tokens_left is not None:
+                tokens_left -= size
             self._start(handle)
 
     def _start(self, handle: RequestHandle) -> None:

@@ -95,7 +95,7 @@ def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
             # recycling table (mtp grafts both), or a later setting would draft the outputs it has seen
             engine.shared.clear()
             t0 = time.perf_counter()
-            handles = [engine.submit(Request(prompt_ids=p, strategy=name)) for p in prompts]
+            handles = engine.submit_many([Request(prompt_ids=p, strategy=name) for p in prompts])
             results = [h.result() for h in handles]
             ends = [h.finished_at - t0 for h in handles]
             total = time.perf_counter() - t0

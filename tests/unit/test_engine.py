@@ -47,6 +47,52 @@ STRATEGIES = [("baseline", {}), ("pld", {"propose.costs": None}), ("adaptive", {
               ("jacobi", {"k": 3}), ("length_dynamic", {}), ("pld", {"propose.costs": None})]
 
 
+def test_admission_idle_takes_all_running_takes_the_step_token_budget(tiny, monkeypatch):
+    """An idle engine admits a whole ``submit_many`` list in one go; while a request decodes, waiting prompts
+    join in steps holding at most ``prefill_tokens_per_step`` prompt tokens (a longer prompt still joins,
+    alone); every request decodes as HF greedy."""
+    starts = []  # (engine step at admission, prompt length)
+    real_start = Engine._start
+
+    def recording(self, handle):
+        starts.append((self.steps, int(handle.prepared.prompt_ids.numel())))
+        return real_start(self, handle)
+
+    monkeypatch.setattr(Engine, "_start", recording)
+    engine = make_engine(tiny, "strategy=baseline", "max_batch_size=8", "prefill_tokens_per_step=25")
+    g = torch.Generator().manual_seed(11)
+    idle = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (12, 30, 5, 9)]
+    assert [r.token_ids for r in engine.generate([Request(prompt_ids=p) for p in idle])] == \
+        [hf_greedy(tiny.model, p, NEW) for p in idle]
+    assert len({step for step, _ in starts}) == 1  # all four admitted before the first step, 56 tokens > 25
+    starts.clear()
+
+    first_step, queued, calls = threading.Event(), threading.Event(), []
+
+    def hold_first_step(record, tokens):  # the engine thread waits in the first decode step (the first call
+        calls.append(record)  # comes from the prefill) until the others are queued
+        if len(calls) == 2:
+            first_step.set()
+            queued.wait(30)
+
+    long_prompt, *short = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (8, 10, 10, 10, 10, 30)]
+    try:
+        running = engine.submit(Request(prompt_ids=long_prompt, max_new_tokens=60), on_step=hold_first_step)
+        assert first_step.wait(30)
+        handles = engine.submit_many([Request(prompt_ids=p, max_new_tokens=8) for p in short])
+        queued.set()
+        results = [h.result() for h in handles]
+        assert running.result().token_ids == hf_greedy(tiny.model, long_prompt, 60)
+    finally:
+        queued.set()
+        engine.close()
+    steps = [step for step, _ in starts[1:]]
+    assert [n for _, n in starts] == [8, 10, 10, 10, 10, 30]
+    assert steps[0] == steps[1] < steps[2] == steps[3] < steps[4]  # 10 + 10 fit in 25 tokens, a third does not
+    for prompt, result in zip(short, results):
+        assert result.token_ids == hf_greedy(tiny.model, prompt, 8)
+
+
 @pytest.mark.parametrize("max_batch_size", [1, 4, 16])
 def test_batch_equals_hf_greedy_with_mixed_strategies_and_joins(tiny, max_batch_size):
     engine = make_engine(tiny, f"max_batch_size={max_batch_size}")
