@@ -164,6 +164,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--eager", action="store_true", help="enforce_eager=True (skip torch.compile: faster start)")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="enable_prefix_caching=False (by default vLLM reuses the KV of prompt prefixes it has seen, "
+                        "the warm-up's prompts and the chat template's system prompt included)")
     p.add_argument("--stop-at-eos", action="store_true",
                    help="end a request at its EOS, as mtpflow's bench does (default: ignore_eos, exactly --max-tokens)")
     p.add_argument("--processes", choices=["one", "mp"], default="one",
@@ -201,6 +204,7 @@ def main(argv=None) -> int:
     t_load = time.perf_counter()
     llm = LLM(model=str(model), dtype="float32", max_num_seqs=args.batch, max_model_len=args.max_model_len,
               seed=0, enforce_eager=args.eager, disable_log_stats=False,
+              enable_prefix_caching=not args.no_prefix_caching,
               speculative_config=speculative_config(args),
               distributed_executor_backend="uni" if args.processes == "one" else "mp")
     load_seconds = time.perf_counter() - t_load
@@ -234,6 +238,7 @@ def main(argv=None) -> int:
         "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
         "load_seconds": round(load_seconds, 1), "threads": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
         "eager": args.eager, "processes": args.processes, "stop_at_eos": args.stop_at_eos,
+        "prefix_caching": not args.no_prefix_caching,
     }
     if args.batch == 1:
         row["per_stream_tokens_per_s_mean"] = round(sum(per_stream) / len(per_stream), 2)
