@@ -34,6 +34,7 @@ from mtpflow.kv_cache import KVPool
 from mtpflow.loop import Sequence, StepCallback, decode_step
 from mtpflow.model import load_configured
 from mtpflow.plugins import build_stages, make_plugin_manager
+from mtpflow.prefix_cache import PrefixKVCache
 from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
 from mtpflow.shared import SharedState
 from mtpflow.types import DecodeResult
@@ -217,6 +218,8 @@ class Engine:
         self.max_batch_size = check_int("max_batch_size", cfg.get("max_batch_size", 8), 1, 256)
         self.max_waiting = check_int("max_waiting", cfg.get("max_waiting", 1024), 0)
         self.prefill_tokens_per_step = check_int("prefill_tokens_per_step", cfg.get("prefill_tokens_per_step", 512), 1)
+        # prompt prefixes' KV reused across requests (mtpflow.prefix_cache), in RunContext.shared; 0 turns it off
+        self.prefix_cache_bytes = check_int("prefix_cache_mb", cfg.get("prefix_cache_mb", 256), 0) * 2**20
         m = cfg.model
         self.default_strategy = str(cfg.strategy.get("name"))
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
@@ -443,9 +446,11 @@ class Engine:
         p = handle.prepared
         seq = None
         try:
+            prefix_cache = self.shared.get("prefix_kv", lambda: PrefixKVCache(self.prefix_cache_bytes)) \
+                if self.prefix_cache_bytes else None
             seq = Sequence(handle._plugin_manager, self.loaded, p.context, stop=p.stop, need_hidden=p.need_hidden,
                            context_window=p.context_window, pool=self.pool, on_step=handle._on_step,
-                           keep_steps=handle._keep_steps)
+                           keep_steps=handle._keep_steps, prefix_cache=prefix_cache)
             handle.status = RUNNING
             self._running.append((seq, handle))
             seq.start()

@@ -89,6 +89,22 @@ class Target:
         return logits[0].float(), (hidden[0].float() if hidden is not None else None)
 
     @torch.inference_mode()
+    def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
+        """Fill an empty cache with ``n`` stored entries per layer (``[kv_heads, >= n, head_dim]``: a prompt
+        prefix's keys and values from ``mtpflow.prefix_cache``); then ``prefill`` the rest from position n."""
+        self.pool.ensure(n)
+        row = self.kv.slot
+        for layer in range(self.pool.num_layers):
+            self.pool.keys[layer][row, :, :n] = keys[layer][:, :n]
+            self.pool.values[layer][row, :, :n] = values[layer][:, :n]
+        self.kv.length = n
+
+    def slot_entries(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Views of this sequence's first ``n`` keys and values per layer (``[kv_heads, n, head_dim]``)."""
+        row = self.kv.slot
+        return ([k[row, :, :n] for k in self.pool.keys], [v[row, :, :n] for v in self.pool.values])
+
+    @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, start_position: int = 0):
         """Run the prompt into the cache. Returns (logits [1, vocab] of the last row only, hidden [len, h]).
 

@@ -99,7 +99,7 @@ class Generation:
         stats = dict(result.stats or {})
         if stats.get("trace_run_id") is None and getattr(result, "run_id", None) is not None:
             stats["trace_run_id"] = result.run_id
-        use = usage(int(self.handle.prompt_tokens), len(result.token_ids))
+        use = usage(int(self.handle.prompt_tokens), len(result.token_ids), int(stats.get("prefix_cached_tokens", 0)))
         return use, finish_reason(stats.get("stop_reason")), mtpflow_field(self.strategy, stats)
 
     # ----- whole response ------------------------------------------------------------------------------------

@@ -136,7 +136,9 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
     suite = load_prompt_suite(opts.prompts, opts.classes, int(opts.limit))
     if not suite:
         raise UserError("no benchmark prompts selected")
-    common = [f"max_new_tokens={int(opts.max_new_tokens)}", *list(opts.overrides)]
+    # the prefix KV cache off unless an override turns it on: the figures compare decoding with HF's, which
+    # prefills every prompt whole (overrides=[prefix_cache_mb=256] measures it on)
+    common = [f"max_new_tokens={int(opts.max_new_tokens)}", "prefix_cache_mb=0", *list(opts.overrides)]
     if opts.model:
         common.append(f"model.name={opts.model}")
     pipes = {}

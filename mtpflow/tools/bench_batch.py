@@ -58,8 +58,10 @@ def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
 
     suite = load_prompt_suite(opts.prompts, opts.classes, int(opts.limit))
     sizes = sorted({int(b) for b in opts.batch_sizes})
+    # the prefix KV cache off unless an override turns it on (overrides=[prefix_cache_mb=256]): HF batched
+    # prefills every prompt whole
     common = [f"max_new_tokens={int(opts.max_new_tokens)}", "trace=off", f"max_batch_size={max(sizes)}",
-              *list(opts.overrides)]
+              "prefix_cache_mb=0", *list(opts.overrides)]
     if opts.model:
         common.append(f"model.name={opts.model}")
     engine = Engine(compose(["strategy=baseline", *common]))

@@ -91,6 +91,9 @@ def test_chat_and_completions_identical_to_the_cli(server):
     chunks = list(streamed)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 20
+    # the same prompt again: its whole 16-token blocks came from the engine's prefix cache (at least one token ran)
+    cached = chunks[-1].usage.prompt_tokens_details.cached_tokens
+    assert 16 <= cached <= chunks[-1].usage.prompt_tokens - 1 and cached % 16 == 0
 
     text = c.completions.create(model=model, prompt=PROMPTS[1], max_tokens=20).choices[0].text
     assert text == cli_text(server.model, PROMPTS[1], "strategy=pld", "max_new_tokens=20", "chat=false")
