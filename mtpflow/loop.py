@@ -139,7 +139,12 @@ class Sequence:
         prompt = context.prompt_tokens
         self.target = Target(self.loaded.model, need_hidden=self.need_hidden, pool=self.pool)
         extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
-        logits, hidden = self._prefill(prompt)
+        if self.prefix_cache is None:
+            logits, hidden = self.target.prefill(prompt)
+        else:
+            logits, hidden, reused = self.target.prefill_cached(prompt, self.prefix_cache)
+            if reused:
+                stats.extras["prefix_cached_tokens"] = reused
         stats.prefill_seconds = time.perf_counter() - self.t_start
         first = choose(logits[-1], context.sampling, self.generator)
         stats.time_to_first_token = time.perf_counter() - self.t_start
@@ -153,24 +158,6 @@ class Sequence:
         if self.on_step:
             self.on_step(None, [first])
         self.stop_reason = "eos" if first in self.eos else ("max_new_tokens" if context.max_new_tokens <= 1 else "")
-
-    def _prefill(self, prompt: torch.Tensor):
-        """The prompt into this sequence's cache: the longest prefix the prefix cache holds is copied, the rest
-        runs through the model; then the prompt's whole blocks are stored for later prompts."""
-        cache, target = self.prefix_cache, self.target
-        if cache is None or target.position_shift or target.cache_len:
-            return target.prefill(prompt)
-        hit = cache.lookup(prompt, target.taps)
-        if hit is None:
-            logits, hidden = target.prefill(prompt)
-        else:
-            entry, n = hit
-            target.load_prefix(entry.keys, entry.values, n)
-            logits, rest = target.prefill(prompt[n:], start_position=n)
-            hidden = None if rest is None else torch.cat([entry.hidden[:n].to(rest.dtype), rest])
-            self.stats.extras["prefix_cached_tokens"] = n
-        cache.store(prompt, *target.slot_entries(int(prompt.numel())), taps=target.taps, hidden=hidden)
-        return logits, hidden
 
     # ----- one step, first half: K, draft, pruning ----------------------------------------------------------
     def plan(self, max_k: int | None = None) -> Draft | None:

