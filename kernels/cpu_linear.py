@@ -45,6 +45,7 @@ import contextvars
 import os
 import platform
 import statistics
+import sys
 import time
 import weakref
 from typing import Iterator
@@ -255,18 +256,46 @@ def drop_unused_copies(model: torch.nn.Module) -> None:
                 m._mtpflow_t = None  # the transposed copy serves only one row on the stock path
 
 
+# a timing taken while the CPU was busy (``busy``) is kept marked as such and timed again at a later load that
+# finds the CPU quiet, at most BUSY_RETRIES times: the winner's median over its fastest repeat above BUSY_SPREAD
+# in some row count (a quiet 2-core host: at most 1.28), or a 1-minute load average above twice the cores
+BUSY_SPREAD = 1.5
+BUSY_RETRIES = 2
+
+
+class PlanTimings(dict):
+    """``time_plans``' result: {rows: {plan: fastest seconds}}, and ``spread``, the largest median / fastest
+    ratio of a row count's winning plan over the repeats (how much load moved the timing)."""
+
+    spread: float = 1.0
+
+
+def _load() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def busy(timed) -> bool:
+    """Whether ``timed`` (``time_plans``' result) was measured on a busy CPU (on a 2-core host a plan timed
+    while other work ran beside it was 4x off at one row and chose a path 45% slower than a quiet timing's,
+    for every later run)."""
+    return getattr(timed, "spread", 1.0) > BUSY_SPREAD or _load() > 2 * (os.cpu_count() or 1)
+
+
 @torch.inference_mode()
-def time_plans(model: torch.nn.Module, repeats: int = 7) -> dict[int, dict[str, float]]:
+def time_plans(model: torch.nn.Module, repeats: int = 7) -> PlanTimings:
     """{rows: {plan: fastest seconds}} of whole-model forwards of ``rows`` random tokens (no cache: attention
     over a few tokens is the same for every plan), plans interleaved so background load hits them alike; the
     fastest of the repeats, because load on a shared machine only ever adds time (a median still moved the
-    choice between runs on a 2-core host)."""
+    choice between runs on a 2-core host). ``spread`` says how much the repeats moved (``busy``)."""
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     if vocab <= 0:
         return {}
     g = torch.Generator().manual_seed(0)
     saved = getattr(model, "_mtpflow_linear_plans", None)
-    out: dict[int, dict[str, float]] = {}
+    out = PlanTimings()
     token = _active.set(True)
     try:
         for rows in ROW_BUCKETS:
@@ -280,6 +309,8 @@ def time_plans(model: torch.nn.Module, repeats: int = 7) -> dict[int, dict[str, 
                     if i:  # the first round warms up (and packs the weights)
                         times[plan].append(time.perf_counter() - t0)
             out[rows] = {p: min(v) for p, v in times.items()}
+            winner = times[min(out[rows], key=out[rows].get)]
+            out.spread = max(out.spread, statistics.median(winner) / min(winner))
     finally:
         _active.reset(token)
         if saved is not None:
@@ -315,7 +346,8 @@ def _native_version() -> str:
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
-    (``time_plans``, 13-15 s for the 135M default model on a 2-core CPU) and stored. Models too small for
+    (``time_plans``, 13-30 s for the 135M default model on a 2-core CPU) and stored (a timing on a busy CPU is
+    stored marked, and timed again by a later load on a quiet one, ``busy``). Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
     cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several)."""
     if linear_bytes(model) < 4 << 20:
@@ -323,17 +355,27 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     from mtpflow.model import read_measurement, write_measurement
 
     path = _plans_cache_path(model)
-    stored = tuple((read_measurement(path) or {}).get("plans") or ())
+    record = read_measurement(path) or {}
+    stored = tuple(record.get("plans") or ())
     if len(stored) == len(ROW_BUCKETS) and all(p in available_plans() for p in stored):
-        return stored
+        retries = int(record.get("busy_retries", 0))
+        if not record.get("busy") or retries >= BUSY_RETRIES or _load() > (os.cpu_count() or 1):
+            return stored
+    else:
+        retries = -1
     try:
         timed = time_plans(model)
     except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids
         timed = {}
     if not timed:
-        return DEFAULT_PLANS
+        return stored if retries >= 0 else DEFAULT_PLANS
     plans = tuple(min(timed[r], key=timed[r].get) for r in ROW_BUCKETS)
-    write_measurement(path, {"plans": list(plans), "rows": list(ROW_BUCKETS),
+    was_busy = busy(timed)
+    if was_busy:
+        print("mtpflow: the CPU was busy while the linear plans were timed: they are timed again at a later "
+              "load that finds it quiet", file=sys.stderr)
+    write_measurement(path, {"plans": list(plans), "rows": list(ROW_BUCKETS), "busy": was_busy,
+                             "busy_retries": retries + 1, "spread": round(getattr(timed, "spread", 1.0), 3),
                              "ms": {str(r): {p: round(1000 * v, 2) for p, v in timed[r].items()} for r in ROW_BUCKETS}})
     return plans
 
