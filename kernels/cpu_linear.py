@@ -160,6 +160,69 @@ class PackedLinear(torch.nn.Linear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
 
+class FusedLinear(PackedLinear):
+    """Several PackedLinears that read the same input (a layer's query, key and value projections; an MLP's gate
+    and up projections) as one product: ``fuse`` concatenates their weights once and makes each part's weight a
+    view into the result, so memory does not grow and the parts keep working alone (HF's own forward). One call
+    instead of three reads the input once and lets the kernel block over the wider output: at 16 rows on a 2-core
+    AVX2 host the default model's 30 layers of linears took 52 ms fused against 61 ms apart (oneDNN, weights
+    streamed from memory). It follows its first part's plan; ``split`` returns each part's output (views)."""
+
+    _mtpflow_parts: tuple = ()
+    _mtpflow_offsets: tuple = ()
+
+    @property
+    def _mtpflow_row_paths(self):
+        return self._mtpflow_parts[0]._mtpflow_row_paths
+
+    @property
+    def _mtpflow_one_row_transposed(self):
+        return self._mtpflow_parts[0]._mtpflow_one_row_transposed
+
+    def ready(self) -> bool:
+        """Whether the fused product computes the parts now: inside ``packed()``, no part quantized, every part's
+        weight still the view ``fuse`` made (a part given a new weight is used alone)."""
+        if not _active.get():
+            return False
+        base, size = self.weight.data_ptr(), self.weight.element_size()
+        return all(part._mtpflow_int8 is None and part.weight.data_ptr() == base + offset * size
+                   for part, offset in zip(self._mtpflow_parts, self._mtpflow_offsets))
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self(x).split([part.out_features for part in self._mtpflow_parts], dim=-1)
+
+
+def fuse(parts: list[torch.nn.Module]) -> FusedLinear | None:
+    """One ``FusedLinear`` over ``parts`` (PackedLinears of the same input size, dtype and device, all with or all
+    without bias, none quantized), or None where they cannot be fused. Each part's weight becomes a view into
+    the concatenated weight; the parts' own packed copies are dropped (the fused one builds its own)."""
+    first = parts[0]
+    if len(parts) < 2 or not all(type(p) is PackedLinear and p._mtpflow_int8 is None for p in parts):
+        return None
+    if any(p.in_features != first.in_features or p.weight.dtype != first.weight.dtype
+           or p.weight.device != first.weight.device or (p.bias is None) != (first.bias is None) for p in parts):
+        return None
+    with torch.inference_mode(False), torch.no_grad():  # a normal tensor (its version is the cache key) even when
+        weight = torch.cat([p.weight.detach() for p in parts])  # fused inside a decode's inference mode
+        bias = torch.cat([p.bias.detach() for p in parts]) if first.bias is not None else None
+        fused = FusedLinear.__new__(FusedLinear)
+        torch.nn.Module.__init__(fused)
+        fused.in_features, fused.out_features = first.in_features, int(weight.shape[0])
+        fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+        fused.bias = torch.nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        offsets, start = [], 0
+        for p in parts:
+            n = p.out_features
+            p.weight.data = weight[start : start + n]
+            if bias is not None:
+                p.bias.data = bias[start : start + n]
+            offsets.append(start * first.in_features)
+            p._mtpflow_pack = p._mtpflow_t = p._mtpflow_panels = None
+            start += n
+    fused._mtpflow_parts, fused._mtpflow_offsets = tuple(parts), tuple(offsets)
+    return fused
+
+
 # weight storage address -> PackedLinear, for the custom op below: an op takes tensors, not modules, so the op
 # finds its module by the weight it is given (an address, not a number baked into the graph: a graph must be
 # the same in every process for the disk cache to hit). Weak: a dropped model leaves nothing behind.
@@ -495,3 +558,8 @@ def packed(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _active.reset(token)
+
+
+def active() -> bool:
+    """Whether packed linears are on here (inside ``packed()``)."""
+    return _active.get()

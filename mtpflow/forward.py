@@ -11,6 +11,10 @@ operation differs in how, not in what: attention over several query rows uses SD
 support instead of HF's copy of every key and value head (``repeat_kv``), which gave bit-identical outputs
 and took 25-40% less time for 4-17 rows over 150-400 cached entries.
 
+Inside ``cpu_linear.packed()`` each layer's query/key/value projections and its MLP's gate/up projections run as
+one product each (``fuse_projections``: the parts' weights become views into one concatenated weight, so no
+memory is added and HF's own forward keeps using the parts): the same sums per output, fewer and wider calls.
+
 Used by ``mtpflow.target`` (through ``run``) for every forward over the KV pool (prefill, a sequence's own
 verify, the batch's verify) when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention, on any
 device. Other architectures (Gemma 3, ...), or ``MTPFLOW_LEAN_FORWARD=0``, take ``model(...)`` as before.
@@ -21,10 +25,13 @@ import functools
 import inspect
 import os
 import sys
+import threading
 
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from mtpflow.kernels import cpu_linear
 
 SUPPORTED = ("LlamaForCausalLM",)
 
@@ -109,6 +116,8 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     written out (``decoder_layer``). ``layer``: a stand-in for ``decoder_layer`` with its signature (the
     compiled one of ``mtpflow.compiled``, given the pool's buffers instead of ``cache``)."""
     inner = model.model
+    if layer is None and getattr(model, "_mtpflow_fused", None) is None and cpu_linear.active():
+        fuse_projections(model)
     apply_rotary = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(h, position_ids=position_ids)
@@ -141,9 +150,13 @@ def decoder_layer(block, h, cos, sin, mask, update, apply_rotary, compiled: bool
     residual = h
     x = block.input_layernorm(h)
     shape = (b, q, -1, attn.head_dim)
-    query = attn.q_proj(x).view(shape).transpose(1, 2)
-    key = attn.k_proj(x).view(shape).transpose(1, 2)
-    value = attn.v_proj(x).view(shape).transpose(1, 2)
+    qkv = None if compiled else attn.__dict__.get("_mtpflow_qkv")
+    if qkv is not None and qkv.ready():
+        query, key, value = (y.view(shape).transpose(1, 2) for y in qkv.split(x))
+    else:
+        query = attn.q_proj(x).view(shape).transpose(1, 2)
+        key = attn.k_proj(x).view(shape).transpose(1, 2)
+        value = attn.v_proj(x).view(shape).transpose(1, 2)
     query, key = apply_rotary(query, key, cos, sin)
     key, value = update(key, value)
     if compiled:
@@ -157,7 +170,42 @@ def decoder_layer(block, h, cos, sin, mask, update, apply_rotary, compiled: bool
     else:
         out, _ = sdpa_attention_forward(attn, query, key, value, mask, dropout=0.0, scaling=attn.scaling)
     h = residual + attn.o_proj(out.reshape(b, q, -1).contiguous())
-    return h + block.mlp(block.post_attention_layernorm(h))
+    x = block.post_attention_layernorm(h)
+    mlp = block.mlp
+    gate_up = None if compiled else mlp.__dict__.get("_mtpflow_gate_up")
+    if gate_up is not None and gate_up.ready():  # LlamaMLP's arithmetic over the fused product
+        gate, up = gate_up.split(x)
+        return h + mlp.down_proj(mlp.act_fn(gate) * up)
+    return h + mlp(x)
+
+
+_FUSE_LOCK = threading.Lock()
+
+
+def fuse_projections(model) -> int:
+    """Give each decoder layer of a supported model fused query/key/value and gate/up products
+    (``cpu_linear.fuse``: the parts' weights become views into the fused one, no extra memory) that
+    ``decoder_layer`` uses inside ``cpu_linear.packed()``; once per model (``forward`` calls it), and only where
+    the linears are PackedLinears (``cpu_linear.install`` ran). Kept out of the module tree (no new parameters,
+    the state dict unchanged). Returns how many fused products exist."""
+    with _FUSE_LOCK:
+        done = getattr(model, "_mtpflow_fused", None)
+        if done is not None:
+            return done
+        count = 0
+        for block in model.model.layers:
+            for module, names, attr in ((block.self_attn, ("q_proj", "k_proj", "v_proj"), "_mtpflow_qkv"),
+                                        (block.mlp, ("gate_proj", "up_proj"), "_mtpflow_gate_up")):
+                parts = [getattr(module, n, None) for n in names]
+                fused = cpu_linear.fuse(parts) if all(isinstance(p, cpu_linear.PackedLinear) for p in parts) else None
+                if fused is not None:
+                    object.__setattr__(module, attr, fused)  # not a submodule: no parameters, no state-dict keys
+                    count += 1
+        try:
+            model._mtpflow_fused = count
+        except AttributeError:
+            pass
+        return count
 
 
 def grouped_attention(query, key, value, mask, scale: float) -> torch.Tensor:

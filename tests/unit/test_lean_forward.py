@@ -162,3 +162,59 @@ def test_batch_verify_gives_each_sequence_its_own_taps():
         want = alone.verify(4 if len(prompt) == 4 else 6, chain, len(prompt))
         assert got.hidden.shape == want.hidden.shape == (3, 64 * len(t))
         assert torch.allclose(got.hidden, want.hidden, atol=1e-4)  # float noise of a padded batch; values reach ~30
+
+
+@pytest.mark.parametrize("plan", ["stock", "packed", "native"])
+def test_fused_projections_compute_what_the_parts_compute(plan):
+    from mtpflow.kernels import cpu_linear, native_linear
+
+    if plan == "native" and not native_linear.available():
+        pytest.skip("the native kernel cannot be built here")
+    model = make_tiny_model(96, layers=3)
+    keys, params = list(model.state_dict()), sum(p.numel() for p in model.parameters())
+    cpu_linear.install(model, plans=(plan,) * len(cpu_linear.ROW_BUCKETS))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 96, (2, 9), generator=g)
+    positions = torch.arange(9)[None].expand(2, 9)
+
+    def run(fused: bool):
+        pool = KVPool(model, max_slots=2)
+        seqs = [SequenceKV(pool) for _ in range(2)]
+        cache = BatchCache(pool, [0, 0], 9)
+        ready = cpu_linear.FusedLinear.ready
+        try:
+            if not fused:
+                cpu_linear.FusedLinear.ready = lambda self: False
+            with cpu_linear.packed(), torch.inference_mode():
+                return lean.forward(model, ids, positions, None, cache, True), seqs
+        finally:
+            cpu_linear.FusedLinear.ready = ready
+
+    (fused_logits, fused_hidden), _ = run(True)
+    assert model._mtpflow_fused == 6  # q/k/v and gate/up of 3 layers
+    (logits, hidden), _ = run(False)
+    torch.testing.assert_close(fused_logits, logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused_hidden, hidden, rtol=1e-5, atol=1e-5)
+    # no new parameters, the same state dict; the parts' weights are views into the fused weight
+    assert list(model.state_dict()) == keys and sum(p.numel() for p in model.parameters()) == params
+    attn = model.model.layers[0].self_attn
+    qkv = attn.__dict__["_mtpflow_qkv"]
+    assert attn.k_proj.weight.data_ptr() == qkv.weight.data_ptr() + attn.q_proj.weight.numel() * 4
+    with cpu_linear.packed():
+        assert qkv.ready()
+        attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone())  # replaced: used alone
+        assert not qkv.ready()
+    assert not model.model.layers[1].mlp.__dict__["_mtpflow_gate_up"].ready()  # outside packed(): the parts
+
+
+def test_greedy_with_fused_projections_equals_hf(tiny):
+    from mtpflow.kernels import cpu_linear
+
+    prompt = [5, 17, 23, 8, 42, 11, 9]
+    pipe = make_pipeline(tiny, "pld", "max_new_tokens=24", "trace=off", "model.cpu_linear=packed")
+    model = pipe.loaded.model
+    reference = hf_greedy(model, prompt, 24)
+    result = pipe(prompt_ids=prompt)
+    assert getattr(model, "_mtpflow_fused", 0) > 0 and isinstance(model.lm_head, cpu_linear.PackedLinear)
+    assert result.token_ids == reference
+    assert hf_greedy(model, prompt, 24) == reference  # HF's own forward over the parts (now views) unchanged
