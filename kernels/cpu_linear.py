@@ -45,7 +45,6 @@ import contextvars
 import os
 import platform
 import statistics
-import sys
 import time
 import weakref
 from typing import Iterator
@@ -319,13 +318,6 @@ def drop_unused_copies(model: torch.nn.Module) -> None:
                 m._mtpflow_t = None  # the transposed copy serves only one row on the stock path
 
 
-# a timing taken while the CPU was busy (``busy``) is kept marked as such and timed again at a later load that
-# finds the CPU quiet, at most BUSY_RETRIES times: the winner's median over its fastest repeat above BUSY_SPREAD
-# in some row count (a quiet 2-core host: at most 1.28), or a 1-minute load average above twice the cores
-BUSY_SPREAD = 1.5
-BUSY_RETRIES = 2
-
-
 class PlanTimings(dict):
     """``time_plans``' result: {rows: {plan: fastest seconds}}, and ``spread``, the largest median / fastest
     ratio of a row count's winning plan over the repeats (how much load moved the timing)."""
@@ -333,18 +325,11 @@ class PlanTimings(dict):
     spread: float = 1.0
 
 
-def _load() -> float:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return 0.0
-
-
 def busy(timed) -> bool:
-    """Whether ``timed`` (``time_plans``' result) was measured on a busy CPU (on a 2-core host a plan timed
-    while other work ran beside it was 4x off at one row and chose a path 45% slower than a quiet timing's,
-    for every later run)."""
-    return getattr(timed, "spread", 1.0) > BUSY_SPREAD or _load() > 2 * (os.cpu_count() or 1)
+    """Whether ``timed`` (``time_plans``' result) was measured on a busy CPU (``mtpflow.model.timing_busy``)."""
+    from mtpflow.model import timing_busy
+
+    return timing_busy(getattr(timed, "spread", 1.0))
 
 
 @torch.inference_mode()
@@ -410,35 +395,28 @@ def _native_version() -> str:
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
     (``time_plans``, 13-30 s for the 135M default model on a 2-core CPU) and stored (a timing on a busy CPU is
-    stored marked, and timed again by a later load on a quiet one, ``busy``). Models too small for
+    stored marked, and timed again by a later load on a quiet one: ``mtpflow.model.timing_busy``). Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
     cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several)."""
     if linear_bytes(model) < 4 << 20:
         return DEFAULT_PLANS
-    from mtpflow.model import read_measurement, write_measurement
+    from mtpflow.model import busy_fields, read_measurement, stored_timing_serves, write_measurement
 
     path = _plans_cache_path(model)
     record = read_measurement(path) or {}
     stored = tuple(record.get("plans") or ())
-    if len(stored) == len(ROW_BUCKETS) and all(p in available_plans() for p in stored):
-        retries = int(record.get("busy_retries", 0))
-        if not record.get("busy") or retries >= BUSY_RETRIES or _load() > (os.cpu_count() or 1):
-            return stored
-    else:
-        retries = -1
+    usable = len(stored) == len(ROW_BUCKETS) and all(p in available_plans() for p in stored)
+    if usable and stored_timing_serves(record):
+        return stored
     try:
         timed = time_plans(model)
     except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids
         timed = {}
     if not timed:
-        return stored if retries >= 0 else DEFAULT_PLANS
+        return stored if usable else DEFAULT_PLANS
     plans = tuple(min(timed[r], key=timed[r].get) for r in ROW_BUCKETS)
-    was_busy = busy(timed)
-    if was_busy:
-        print("mtpflow: the CPU was busy while the linear plans were timed: they are timed again at a later "
-              "load that finds it quiet", file=sys.stderr)
-    write_measurement(path, {"plans": list(plans), "rows": list(ROW_BUCKETS), "busy": was_busy,
-                             "busy_retries": retries + 1, "spread": round(getattr(timed, "spread", 1.0), 3),
+    write_measurement(path, {"plans": list(plans), "rows": list(ROW_BUCKETS),
+                             **busy_fields(getattr(timed, "spread", 1.0), record if usable else None),
                              "ms": {str(r): {p: round(1000 * v, 2) for p, v in timed[r].items()} for r in ROW_BUCKETS}})
     return plans
 

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -42,12 +43,6 @@ def best_k(costs: dict[int, float], acceptance: float) -> int:
     """The K (a key of ``costs``, seconds per verify forward) with the most expected tokens per second;
     ties go to the smaller K."""
     return max(sorted(costs), key=lambda k: expected_tokens(acceptance, k) / costs[k])
-
-
-def measure_verify_costs(model, ks: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Fastest seconds of a verify forward per K (``time_verify_forwards``): load on a shared machine only
-    ever adds time (with medians, a 2-core host under load measured 2 draft tokens dearer than 4)."""
-    return {k: min(v) for k, v in time_verify_forwards(model, ks, context, repeats).items()}
 
 
 @torch.inference_mode()
@@ -95,9 +90,11 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device: measured
     once per device (on a CPU: per CPU model and thread count), model, dtype, linear kind
     (``mtpflow.kernels.cpu_linear``) and K set, then read from ``~/.cache/mtpflow/verify_cost``. Shared by
-    ``HardwareAwareK`` and the cost-aware prompt lookup."""
+    ``HardwareAwareK`` and the cost-aware prompt lookup. A curve measured on a busy CPU (a cached curve on a 2-core host
+    had one row at 79 ms and two at 63; measured on the quiet host: 43 and 43) is stored marked
+    and measured again by a later load that finds the CPU quiet (``mtpflow.model.timing_busy``)."""
     from mtpflow.kernels import cpu_linear
-    from mtpflow.model import read_measurement, write_measurement
+    from mtpflow.model import busy_fields, read_measurement, stored_timing_serves, write_measurement
 
     model = context.model
     name = name or device_name(context.device)
@@ -109,12 +106,17 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}/fastest", ctx, ks, host)
     stored = read_measurement(path)
     try:
-        return {int(k): float(v) for k, v in stored["seconds"].items()}, "cached"
+        cached = {int(k): float(v) for k, v in stored["seconds"].items()}
+        if stored_timing_serves(stored):  # (one taken on a busy CPU is taken again when it is quiet)
+            return cached, "cached"
     except (TypeError, KeyError, ValueError, AttributeError):
-        pass  # missing or damaged: measured again
-    costs = measure_verify_costs(model, ks, ctx, repeats)
+        stored = None  # missing or damaged: measured again
+    times = time_verify_forwards(model, ks, ctx, repeats)
+    costs = {k: min(v) for k, v in times.items()}  # the fastest: load on a shared machine only ever adds time
+    spread = max(statistics.median(v) / min(v) for v in times.values())
     write_measurement(path, {"device": name, "host": host, "model": context.model_id, "dtype": str(model.dtype),
-                             "linear": linear, "context": ctx, "seconds": {str(k): v for k, v in costs.items()}})
+                             "linear": linear, "context": ctx, **busy_fields(spread, stored),
+                             "seconds": {str(k): v for k, v in costs.items()}})
     return costs, "measured"
 
 

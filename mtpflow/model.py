@@ -12,6 +12,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,46 @@ def write_measurement(path: Path, data: dict) -> None:
         tmp.replace(path)
     except OSError:
         pass
+
+
+# A timing taken while the CPU was busy is stored marked "busy" and taken again by a later load that finds the
+# CPU quiet, at most BUSY_RETRIES times. Busy: some measured case's median over its fastest repeat above
+# BUSY_SPREAD (a quiet 2-core host: at most 1.28), or a 1-minute load average above twice the cores. On a
+# 2-core host a linear plan timed beside other work was 4x off at one row and chose a path 45% slower than a
+# quiet timing's; a cached verify-cost curve had one row dearer than two (79 vs 63 ms; quiet: 43 and 43).
+BUSY_SPREAD = 1.5
+BUSY_RETRIES = 2
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return 0.0
+
+
+def timing_busy(spread: float) -> bool:
+    """Whether a timing whose repeats spread by ``spread`` (median / fastest) ran on a busy CPU."""
+    return spread > BUSY_SPREAD or load_average() > 2 * (os.cpu_count() or 1)
+
+
+def stored_timing_serves(record: dict) -> bool:
+    """Whether a stored timing (``write_measurement`` of a dict with "busy" and "busy_retries") is used as it is:
+    yes unless it was taken busy, fewer than BUSY_RETRIES re-timings ran, and the CPU is quiet now."""
+    if not record.get("busy"):
+        return True
+    return int(record.get("busy_retries", 0)) >= BUSY_RETRIES or load_average() > (os.cpu_count() or 1)
+
+
+def busy_fields(spread: float, record: dict | None) -> dict:
+    """The "busy" fields to store with a new timing (``record``: the stored one it replaces, if any); says so
+    on stderr when the CPU was busy."""
+    busy = timing_busy(spread)
+    if busy:
+        print("mtpflow: the CPU was busy during a timing (linear plans or verify costs): it is taken again at a "
+              "later load that finds the CPU quiet", file=sys.stderr)
+    retries = int(record.get("busy_retries", 0)) + 1 if record and record.get("busy") else 0
+    return {"busy": busy, "busy_retries": retries, "spread": round(spread, 3)}
 
 
 @dataclass(frozen=True)
@@ -132,8 +173,6 @@ def _converted_gguf(gguf_path: Path) -> Path:
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    import sys
 
     print(f"mtpflow: converting {gguf_path.name} once (about a minute); cached in {out}", file=sys.stderr)
     folder, name = str(gguf_path.parent), gguf_path.name

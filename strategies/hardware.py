@@ -14,7 +14,7 @@ import torch
 
 from mtpflow.cost_model import (  # noqa: F401 - the cost model's names, also reachable from here
     AUTO, COST_KS, CostCurve, device_name, DecayedAcceptance, ProbeSchedule, best_k, check_costs, cost_cache_path,
-    expected_tokens, load_verify_costs, measure_verify_costs, time_verify_forwards,
+    expected_tokens, load_verify_costs, time_verify_forwards,
 )
 from mtpflow.errors import ConfigError
 from mtpflow.hookspecs import hookimpl

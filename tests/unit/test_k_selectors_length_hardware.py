@@ -3,6 +3,7 @@ k=auto choice with faked costs, the on-disk cost cache, and both strategies end 
 from __future__ import annotations
 
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -136,6 +137,7 @@ def test_auto_follows_the_runs_acceptance():
 
 def test_auto_measures_once_and_caches_on_disk(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))  # a quiet CPU: the curve is kept as measured
     ctx = fake_context(model=tiny.model, model_id=tiny.model_id)
     first = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, cost_repeats=1)
     facts = first.on_run_start(ctx)
@@ -146,7 +148,7 @@ def test_auto_measures_once_and_caches_on_disk(tiny, tmp_path, monkeypatch):
     def no_measure(*args, **kwargs):
         raise AssertionError("measured again despite the cache")
 
-    monkeypatch.setattr(cost_model, "measure_verify_costs", no_measure)
+    monkeypatch.setattr(cost_model, "time_verify_forwards", no_measure)
     second = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, cost_repeats=1)
     assert second.on_run_start(ctx)["auto_costs"] == "cached" and second.costs == first.costs
     other_device = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, device_name="NVIDIA H100")
@@ -164,6 +166,28 @@ def test_auto_measures_once_and_caches_on_disk(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
     again = HardwareAwareK(k="auto", auto_ks=[0, 1, 2], cost_context=16, cost_repeats=1)
     assert again.on_run_start(ctx)["auto_costs"] == "measured"  # a damaged file is measured again
+
+
+def test_a_cost_curve_measured_on_a_busy_cpu_is_measured_again_when_quiet(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    load = [0.1]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.1, 0.1))
+    ctx = fake_context(model=tiny.model, model_id=tiny.model_id)
+    noisy = {0: [0.079, 0.2, 0.3], 1: [0.063, 0.07, 0.064]}  # one row dearer than two, repeats 4x apart
+    quiet = {0: [0.043, 0.044, 0.045], 1: [0.043, 0.045, 0.044]}
+    runs = iter([noisy, quiet])
+    calls = []
+    monkeypatch.setattr(cost_model, "time_verify_forwards", lambda *a, **k: calls.append(1) or next(runs))
+    costs, source = cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16)
+    assert source == "measured" and costs == {0: 0.079, 1: 0.063}  # used by this run...
+    (stored,) = (tmp_path / "verify_cost").glob("*.json")
+    assert json.loads(stored.read_text())["busy"] is True
+    load[0] = 50.0  # ...and while the CPU stays busy, read back as it is
+    assert cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16) == (costs, "cached") and len(calls) == 1
+    load[0] = 0.1  # quiet: measured again, and the quiet curve is kept
+    assert cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16) == ({0: 0.043, 1: 0.043}, "measured")
+    assert cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16)[1] == "cached" and len(calls) == 2
+    assert json.loads(stored.read_text())["busy"] is False
 
 
 def test_hardware_aware_end_to_end(tiny, tmp_path, monkeypatch):
