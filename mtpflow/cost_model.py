@@ -226,11 +226,18 @@ BATCH_SIZES = (1, 4, 16)  # measured; sizes between are interpolated (the first 
 BATCH_ROWS = (1, 3, 9, 17)  # rows per sequence in a forward: the root plus 0, 2, 8, 16 draft nodes
 
 
+class BatchTimings(dict):
+    """``measure_batch_costs``' result, with ``spread``: the largest median / fastest ratio over the repeats."""
+
+    spread: float = 1.0
+
+
 @torch.inference_mode()
 def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context: int = 128,
-                        repeats: int = 2) -> dict[tuple[int, int], float]:
+                        repeats: int = 2) -> BatchTimings:
     """{(sequences, rows per sequence): fastest seconds} of ``mtpflow.target.verify_batch`` over caches of
-    ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
+    ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round), and how
+    much the repeats spread (``mtpflow.model.timing_busy``)."""
     from tqdm import tqdm
 
     from mtpflow.kv_cache import KVPool
@@ -239,7 +246,7 @@ def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context
 
     g = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
-    out: dict[tuple[int, int], float] = {}
+    times: dict[tuple[int, int], list[float]] = {}
     for b in tqdm(batch_sizes, desc="measuring batch verify cost", unit="batch size", leave=False):
         pool = KVPool(model, b)
         targets = [Target(model, pool=pool) for _ in range(b)]
@@ -254,9 +261,11 @@ def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context
                 for t in targets:
                     t.cache_len = context  # roll back by position
                 if i:
-                    out[(b, q)] = min(out.get((b, q), float("inf")), seconds)
+                    times.setdefault((b, q), []).append(seconds)
         for t in targets:
             t.release()
+    out = BatchTimings({key: min(v) for key, v in times.items()})
+    out.spread = max((statistics.median(v) / min(v) for v in times.values()), default=1.0)
     return out
 
 
@@ -316,7 +325,7 @@ class BatchCostModel:
 def load_batch_costs(loaded, context: int = 128, repeats: int = 2) -> tuple[BatchCostModel, str]:
     """The batch cost model for a loaded model on this machine, measured once and cached on disk."""
     from mtpflow.kernels import cpu_linear
-    from mtpflow.model import measurement_path, read_measurement, write_measurement
+    from mtpflow.model import busy_fields, measurement_path, read_measurement, stored_timing_serves, write_measurement
 
     model = loaded.model
     host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if loaded.device.type == "cpu" else device_name(str(loaded.device))
@@ -325,10 +334,12 @@ def load_batch_costs(loaded, context: int = 128, repeats: int = 2) -> tuple[Batc
     stored = read_measurement(path)
     try:
         grid = {(int(b), int(q)): float(s) for b, q, s in stored["grid"]}
-        return BatchCostModel(grid), "cached"
+        if stored_timing_serves(stored):  # (one taken on a busy CPU is taken again when it is quiet)
+            return BatchCostModel(grid), "cached"
     except (TypeError, KeyError, ValueError):
-        pass
+        stored = None
     grid = measure_batch_costs(model, context=context, repeats=repeats)
     write_measurement(path, {"model": loaded.model_id, "host": host, "context": context,
+                             **busy_fields(getattr(grid, "spread", 1.0), stored),
                              "grid": [[b, q, s] for (b, q), s in sorted(grid.items())]})
     return BatchCostModel(grid), "measured"

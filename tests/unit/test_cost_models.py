@@ -228,3 +228,30 @@ def test_decayed_acceptance_learns_and_forgets_rejections():
     for _ in range(20):  # fully accepted 4-token drafts
         est.update(4, 4)
     assert est.value > 0.9
+
+
+def test_batch_costs_measured_on_a_busy_cpu_are_measured_again_when_quiet(tiny, tmp_path, monkeypatch):
+    import json
+    import os
+
+    from mtpflow import cost_model
+
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
+    load = [0.1]
+    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.1, 0.1))
+    noisy = cost_model.BatchTimings({(1, 1): 0.09, (16, 1): 0.05})
+    noisy.spread = 3.0  # repeats 3x apart: something else ran
+    quiet = cost_model.BatchTimings({(1, 1): 0.04, (16, 1): 0.11})
+    runs = iter([noisy, quiet])
+    calls = []
+    monkeypatch.setattr(cost_model, "measure_batch_costs", lambda *a, **k: calls.append(1) or next(runs))
+    model, source = cost_model.load_batch_costs(tiny)
+    assert source == "measured" and model.table[(1, 1)] == 0.09
+    (stored,) = (tmp_path / "batch_cost").glob("*.json")
+    assert json.loads(stored.read_text())["busy"] is True
+    load[0] = 50.0  # still busy: read back as it is
+    assert cost_model.load_batch_costs(tiny)[1] == "cached" and len(calls) == 1
+    load[0] = 0.1  # quiet: measured again and kept
+    model, source = cost_model.load_batch_costs(tiny)
+    assert source == "measured" and model.table[(1, 1)] == 0.04
+    assert cost_model.load_batch_costs(tiny)[1] == "cached" and len(calls) == 2
