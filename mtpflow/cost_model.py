@@ -11,7 +11,6 @@
 """
 from __future__ import annotations
 
-import statistics
 import time
 from pathlib import Path
 
@@ -90,11 +89,10 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device: measured
     once per device (on a CPU: per CPU model and thread count), model, dtype, linear kind
     (``mtpflow.kernels.cpu_linear``) and K set, then read from ``~/.cache/mtpflow/verify_cost``. Shared by
-    ``HardwareAwareK`` and the cost-aware prompt lookup. A curve measured on a busy CPU (a cached curve on a 2-core host
-    had one row at 79 ms and two at 63; measured on the quiet host: 43 and 43) is stored marked
-    and measured again by a later load that finds the CPU quiet (``mtpflow.model.timing_busy``)."""
+    ``HardwareAwareK`` and the cost-aware prompt lookup. The fastest repeat counts; a curve measured on a busy
+    CPU is measured again by a later load that finds it quiet (``mtpflow.model.cached_timing``)."""
     from mtpflow.kernels import cpu_linear
-    from mtpflow.model import busy_fields, read_measurement, stored_timing_serves, write_measurement
+    from mtpflow.model import cached_timing
 
     model = context.model
     name = name or device_name(context.device)
@@ -104,20 +102,13 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     linear = cpu_linear.state(model)
     host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if torch.device(context.device).type == "cpu" else ""
     path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}/fastest", ctx, ks, host)
-    stored = read_measurement(path)
-    try:
-        cached = {int(k): float(v) for k, v in stored["seconds"].items()}
-        if stored_timing_serves(stored):  # (one taken on a busy CPU is taken again when it is quiet)
-            return cached, "cached"
-    except (TypeError, KeyError, ValueError, AttributeError):
-        stored = None  # missing or damaged: measured again
-    times = time_verify_forwards(model, ks, ctx, repeats)
-    costs = {k: min(v) for k, v in times.items()}  # the fastest: load on a shared machine only ever adds time
-    spread = max(statistics.median(v) / min(v) for v in times.values())
-    write_measurement(path, {"device": name, "host": host, "model": context.model_id, "dtype": str(model.dtype),
-                             "linear": linear, "context": ctx, **busy_fields(spread, stored),
-                             "seconds": {str(k): v for k, v in costs.items()}})
-    return costs, "measured"
+
+    def record(fastest: dict[int, float]):
+        return fastest, {"device": name, "host": host, "model": context.model_id, "dtype": str(model.dtype),
+                         "linear": linear, "context": ctx, "seconds": {str(k): v for k, v in fastest.items()}}
+
+    return cached_timing(path, lambda stored: {int(k): float(v) for k, v in stored["seconds"].items()},
+                         lambda: time_verify_forwards(model, ks, ctx, repeats), record)
 
 
 class CostCurve:
@@ -226,18 +217,11 @@ BATCH_SIZES = (1, 4, 16)  # measured; sizes between are interpolated (the first 
 BATCH_ROWS = (1, 3, 9, 17)  # rows per sequence in a forward: the root plus 0, 2, 8, 16 draft nodes
 
 
-class BatchTimings(dict):
-    """``measure_batch_costs``' result, with ``spread``: the largest median / fastest ratio over the repeats."""
-
-    spread: float = 1.0
-
-
 @torch.inference_mode()
 def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context: int = 128,
-                        repeats: int = 2) -> BatchTimings:
-    """{(sequences, rows per sequence): fastest seconds} of ``mtpflow.target.verify_batch`` over caches of
-    ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round), and how
-    much the repeats spread (``mtpflow.model.timing_busy``)."""
+                        repeats: int = 2) -> dict[tuple[int, int], list[float]]:
+    """{(sequences, rows per sequence): seconds of each repeat} of ``mtpflow.target.verify_batch`` over caches of
+    ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
     from tqdm import tqdm
 
     from mtpflow.kv_cache import KVPool
@@ -264,9 +248,7 @@ def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context
                     times.setdefault((b, q), []).append(seconds)
         for t in targets:
             t.release()
-    out = BatchTimings({key: min(v) for key, v in times.items()})
-    out.spread = max((statistics.median(v) / min(v) for v in times.values()), default=1.0)
-    return out
+    return times
 
 
 class BatchCostModel:
@@ -325,21 +307,16 @@ class BatchCostModel:
 def load_batch_costs(loaded, context: int = 128, repeats: int = 2) -> tuple[BatchCostModel, str]:
     """The batch cost model for a loaded model on this machine, measured once and cached on disk."""
     from mtpflow.kernels import cpu_linear
-    from mtpflow.model import busy_fields, measurement_path, read_measurement, stored_timing_serves, write_measurement
+    from mtpflow.model import cached_timing, measurement_path
 
     model = loaded.model
     host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if loaded.device.type == "cpu" else device_name(str(loaded.device))
     key = ("batch", loaded.model_id, str(model.dtype), cpu_linear.state(model), host, context, BATCH_SIZES, BATCH_ROWS)
     path = measurement_path("batch_cost", *key)
-    stored = read_measurement(path)
-    try:
-        grid = {(int(b), int(q)): float(s) for b, q, s in stored["grid"]}
-        if stored_timing_serves(stored):  # (one taken on a busy CPU is taken again when it is quiet)
-            return BatchCostModel(grid), "cached"
-    except (TypeError, KeyError, ValueError):
-        stored = None
-    grid = measure_batch_costs(model, context=context, repeats=repeats)
-    write_measurement(path, {"model": loaded.model_id, "host": host, "context": context,
-                             **busy_fields(getattr(grid, "spread", 1.0), stored),
-                             "grid": [[b, q, s] for (b, q), s in sorted(grid.items())]})
-    return BatchCostModel(grid), "measured"
+
+    def record(fastest: dict[tuple[int, int], float]):
+        return BatchCostModel(fastest), {"model": loaded.model_id, "host": host, "context": context,
+                                         "grid": [[b, q, s] for (b, q), s in sorted(fastest.items())]}
+
+    return cached_timing(path, lambda stored: BatchCostModel({(int(b), int(q)): float(s) for b, q, s in stored["grid"]}),
+                         lambda: measure_batch_costs(model, context=context, repeats=repeats), record)

@@ -197,8 +197,7 @@ def fuse_projections(model) -> int:
         for block in model.model.layers:
             for module, names, attr in ((block.self_attn, ("q_proj", "k_proj", "v_proj"), "_mtpflow_qkv"),
                                         (block.mlp, ("gate_proj", "up_proj"), "_mtpflow_gate_up")):
-                parts = [getattr(module, n, None) for n in names]
-                fused = cpu_linear.fuse(parts) if all(isinstance(p, cpu_linear.PackedLinear) for p in parts) else None
+                fused = cpu_linear.fuse([getattr(module, n, None) for n in names])
                 if fused is not None:
                     object.__setattr__(module, attr, fused)  # not a submodule: no parameters, no state-dict keys
                     count += 1

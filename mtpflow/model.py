@@ -12,8 +12,10 @@ import importlib.util
 import json
 import os
 import shutil
+import statistics
 import sys
 from dataclasses import dataclass
+from typing import Any, Callable
 from pathlib import Path
 
 import torch
@@ -69,11 +71,12 @@ def write_measurement(path: Path, data: dict) -> None:
         pass
 
 
-# A timing taken while the CPU was busy is stored marked "busy" and taken again by a later load that finds the
-# CPU quiet, at most BUSY_RETRIES times. Busy: some measured case's median over its fastest repeat above
-# BUSY_SPREAD (a quiet 2-core host: at most 1.28), or a 1-minute load average above twice the cores. On a
-# 2-core host a linear plan timed beside other work was 4x off at one row and chose a path 45% slower than a
-# quiet timing's; a cached verify-cost curve had one row dearer than two (79 vs 63 ms; quiet: 43 and 43).
+# Timings cached per machine (the CPU linear plans, verify-cost curves, the batch-cost grid) go through
+# ``cached_timing``. A timing taken while the CPU was busy is used by that run, stored marked "busy" and taken
+# again by a later load that finds the CPU quiet, at most BUSY_RETRIES times. Busy: some measured case's median
+# over its fastest repeat above BUSY_SPREAD (a quiet 2-core host: at most 1.28), or a 1-minute load average
+# above twice the cores. On a 2-core host a linear plan timed beside other work was 4.4x off at one row and chose
+# a path 44% slower than a quiet timing's, for every later run (docs/benchmarks.md).
 BUSY_SPREAD = 1.5
 BUSY_RETRIES = 2
 
@@ -85,28 +88,40 @@ def load_average() -> float:
         return 0.0
 
 
-def timing_busy(spread: float) -> bool:
-    """Whether a timing whose repeats spread by ``spread`` (median / fastest) ran on a busy CPU."""
-    return spread > BUSY_SPREAD or load_average() > 2 * (os.cpu_count() or 1)
-
-
-def stored_timing_serves(record: dict) -> bool:
-    """Whether a stored timing (``write_measurement`` of a dict with "busy" and "busy_retries") is used as it is:
-    yes unless it was taken busy, fewer than BUSY_RETRIES re-timings ran, and the CPU is quiet now."""
-    if not record.get("busy"):
-        return True
-    return int(record.get("busy_retries", 0)) >= BUSY_RETRIES or load_average() > (os.cpu_count() or 1)
-
-
-def busy_fields(spread: float, record: dict | None) -> dict:
-    """The "busy" fields to store with a new timing (``record``: the stored one it replaces, if any); says so
-    on stderr when the CPU was busy."""
-    busy = timing_busy(spread)
+def cached_timing(path: Path, parse: Callable[[dict], Any], measure: Callable[[], dict | None],
+                  record: Callable[[dict], tuple[Any, dict]]) -> tuple[Any, str]:
+    """A timing measured once per machine and kept at ``path``: ``parse(stored)`` gives the value a stored record
+    holds (None, or a TypeError / KeyError / ValueError / AttributeError, where it is missing or unusable);
+    ``measure()`` gives {case: [seconds of each repeat]} ({} or None: it could not be timed); ``record({case:
+    fastest seconds})`` gives (the value, the fields to store). The fastest repeat counts, since load on a
+    shared machine only ever adds time. Returns (value, "cached" | "measured"), or (None, "unmeasured")."""
+    stored = read_measurement(path) or {}
+    try:
+        value = parse(stored)
+    except (TypeError, KeyError, ValueError, AttributeError):
+        value = None
+    if value is not None and _stored_serves(stored):
+        return value, "cached"
+    times = measure()
+    if not times:
+        return (value, "cached") if value is not None else (None, "unmeasured")
+    retries = int(stored.get("busy_retries", 0)) + 1 if value is not None and stored.get("busy") else 0
+    value, fields = record({case: min(v) for case, v in times.items()})
+    spread = max(statistics.median(v) / min(v) for v in times.values())
+    busy = spread > BUSY_SPREAD or load_average() > 2 * (os.cpu_count() or 1)
     if busy:
-        print("mtpflow: the CPU was busy during a timing (linear plans or verify costs): it is taken again at a "
-              "later load that finds the CPU quiet", file=sys.stderr)
-    retries = int(record.get("busy_retries", 0)) + 1 if record and record.get("busy") else 0
-    return {"busy": busy, "busy_retries": retries, "spread": round(spread, 3)}
+        print(f"mtpflow: the CPU was busy while timing {path.parent.name} (repeats {spread:.1f}x apart): it is "
+              "timed again at a later load that finds the CPU quiet", file=sys.stderr)
+    write_measurement(path, {**fields, "busy": busy, "busy_retries": retries, "spread": round(spread, 3)})
+    return value, "measured"
+
+
+def _stored_serves(stored: dict) -> bool:
+    """A stored timing serves unless it was taken busy, fewer than BUSY_RETRIES re-timings ran, and the CPU is
+    quiet now."""
+    if not stored.get("busy"):
+        return True
+    return int(stored.get("busy_retries", 0)) >= BUSY_RETRIES or load_average() > (os.cpu_count() or 1)
 
 
 @dataclass(frozen=True)

@@ -168,28 +168,6 @@ def test_auto_measures_once_and_caches_on_disk(tiny, tmp_path, monkeypatch):
     assert again.on_run_start(ctx)["auto_costs"] == "measured"  # a damaged file is measured again
 
 
-def test_a_cost_curve_measured_on_a_busy_cpu_is_measured_again_when_quiet(tiny, tmp_path, monkeypatch):
-    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
-    load = [0.1]
-    monkeypatch.setattr(os, "getloadavg", lambda: (load[0], 0.1, 0.1))
-    ctx = fake_context(model=tiny.model, model_id=tiny.model_id)
-    noisy = {0: [0.079, 0.2, 0.3], 1: [0.063, 0.07, 0.064]}  # one row dearer than two, repeats 4x apart
-    quiet = {0: [0.043, 0.044, 0.045], 1: [0.043, 0.045, 0.044]}
-    runs = iter([noisy, quiet])
-    calls = []
-    monkeypatch.setattr(cost_model, "time_verify_forwards", lambda *a, **k: calls.append(1) or next(runs))
-    costs, source = cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16)
-    assert source == "measured" and costs == {0: 0.079, 1: 0.063}  # used by this run...
-    (stored,) = (tmp_path / "verify_cost").glob("*.json")
-    assert json.loads(stored.read_text())["busy"] is True
-    load[0] = 50.0  # ...and while the CPU stays busy, read back as it is
-    assert cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16) == (costs, "cached") and len(calls) == 1
-    load[0] = 0.1  # quiet: measured again, and the quiet curve is kept
-    assert cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16) == ({0: 0.043, 1: 0.043}, "measured")
-    assert cost_model.load_verify_costs(ctx, ks=[0, 1], cost_context=16)[1] == "cached" and len(calls) == 2
-    assert json.loads(stored.read_text())["busy"] is False
-
-
 def test_hardware_aware_end_to_end(tiny, tmp_path, monkeypatch):
     monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
     prompt = "def add(a, b):\n    return a + b\n" * 2
