@@ -211,3 +211,105 @@ void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, flo
         }
     }
 }
+
+/* ---- one new token through a whole Llama-family decoder stack (mtpflow_llama_row) ----------------------
+ *
+ * A plain decode step at batch 1 (one row, no draft) spends about a fifth of its time between the linears:
+ * per layer some fifty small torch ops (RMSNorm, rotary, KV writes, attention, SwiGLU, residuals), each a
+ * few microseconds of dispatch for a few hundred floats of work. This runs the same arithmetic, in HF's
+ * LlamaDecoderLayer order, in one call for all layers: RMSNorm (x * rsqrt(mean(x^2) + eps), then * weight),
+ * the fused q/k/v product, rotary (q * cos + rotate_half(q) * sin), the new key and value written into the
+ * KV pool at `pos`, grouped-query attention of the one query row over entries 0..pos (softmax of scaled
+ * dot products), the output projection plus residual, RMSNorm, the fused gate/up product, silu(gate) * up,
+ * the down projection plus residual; then the final norm. The products are mtpflow_small_gemm's, so they
+ * are the numbers the native linear gives; the rest differs from torch's kernels in summation order and
+ * exp/rsqrt rounding (around 1e-7 relative). mtpflow/forward.py (native_row) calls it and checks when it may.
+ *
+ * h: [H] the token's embedding in, the last layer's output out; normed: [H] the final norm of it.
+ * Per layer l (arrays of L pointers): ln1/ln2 [H] norm weights, wqkv [(nh + 2 nkv) d x H], wo [H x nh d],
+ * wgu [2 I x H] (gate rows, then up rows), wd [H x I]; kc/vc the sequence's row of the layer's key / value
+ * buffer, [nkv][cap][d]. cos, sin: [d] at the token's position. */
+#include <math.h>
+#include <stdlib.h>
+
+static void rmsnorm(const float *x, const float *w, float eps, float *out, int H) {
+    double ss = 0.0;
+    for (int i = 0; i < H; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / sqrtf((float)(ss / H) + eps);
+    for (int i = 0; i < H; i++) out[i] = w[i] * (x[i] * r);
+}
+
+static void rotary(float *v, const float *cos, const float *sin, int d) {
+    const int half = d / 2;
+    for (int i = 0; i < half; i++) {
+        const float a = v[i], b = v[i + half];
+        v[i] = a * cos[i] - b * sin[i];
+        v[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+static inline float dot(const float *a, const float *b, int d) {
+    const int dv = d - d % VW;
+    vec acc = (vec){0};
+    for (int i = 0; i < dv; i += VW) acc += loadv(a + i) * loadv(b + i);
+    float s = sumv(acc);
+    for (int i = dv; i < d; i++) s += a[i] * b[i];
+    return s;
+}
+
+int mtpflow_llama_row(float *h, float *normed, int L, int H, int nh, int nkv, int d, int I,
+                      const float *const *ln1, const float *const *wqkv, const float *const *wo,
+                      const float *const *ln2, const float *const *wgu, const float *const *wd,
+                      const float *norm_w, float eps, float *const *kc, float *const *vc, long cap, int pos,
+                      const float *cos, const float *sin, float scale, int threads) {
+    const int nq = nh * d, nk = nkv * d, group = nh / nkv, n = pos + 1;
+    const size_t need = (size_t)H * 2 + (size_t)(nq + 2 * nk) + nq + (size_t)I * 3 + (size_t)nh * n;
+    float *buf = malloc(need * sizeof(float));
+    if (!buf) return -1;
+    float *x = buf, *tmp = x + H, *qkv = tmp + H, *att = qkv + nq + 2 * nk, *gu = att + nq, *act = gu + 2 * (size_t)I,
+          *scores = act + I;
+    for (int l = 0; l < L; l++) {
+        rmsnorm(h, ln1[l], eps, x, H);
+        mtpflow_small_gemm(x, wqkv[l], NULL, qkv, 1, nq + 2 * nk, H, threads);
+        float *q = qkv, *k = qkv + nq, *v = qkv + nq + nk;
+        for (int j = 0; j < nh; j++) rotary(q + (size_t)j * d, cos, sin, d);
+        for (int j = 0; j < nkv; j++) {
+            rotary(k + (size_t)j * d, cos, sin, d);
+            float *kd = kc[l] + ((size_t)j * cap + pos) * d, *vd = vc[l] + ((size_t)j * cap + pos) * d;
+            for (int i = 0; i < d; i++) { kd[i] = k[j * d + i]; vd[i] = v[j * d + i]; }
+        }
+#pragma omp parallel for schedule(static) num_threads(threads) if (n > 128)
+        for (int j = 0; j < nh; j++) {
+            const float *qh = q + (size_t)j * d;
+            const float *keys = kc[l] + (size_t)(j / group) * cap * d, *values = vc[l] + (size_t)(j / group) * cap * d;
+            float *s = scores + (size_t)j * n, *o = att + (size_t)j * d;
+            float m = -INFINITY, total = 0.0f;
+            for (int t = 0; t < n; t++) {
+                s[t] = dot(qh, keys + (size_t)t * d, d) * scale;
+                if (s[t] > m) m = s[t];
+            }
+            for (int t = 0; t < n; t++) { s[t] = expf(s[t] - m); total += s[t]; }
+            for (int i = 0; i < d; i++) o[i] = 0.0f;
+            for (int t = 0; t < n; t++) {
+                const float p = s[t];
+                const float *vt = values + (size_t)t * d;
+                for (int i = 0; i < d; i++) o[i] += p * vt[i];
+            }
+            const float inv = 1.0f / total;
+            for (int i = 0; i < d; i++) o[i] *= inv;
+        }
+        mtpflow_small_gemm(att, wo[l], NULL, tmp, 1, H, nq, threads);
+        for (int i = 0; i < H; i++) h[i] = h[i] + tmp[i];
+        rmsnorm(h, ln2[l], eps, x, H);
+        mtpflow_small_gemm(x, wgu[l], NULL, gu, 1, 2 * I, H, threads);
+        for (int i = 0; i < I; i++) {
+            const float g = gu[i];
+            act[i] = g / (1.0f + expf(-g)) * gu[I + i];
+        }
+        mtpflow_small_gemm(act, wd[l], NULL, tmp, 1, H, I, threads);
+        for (int i = 0; i < H; i++) h[i] = h[i] + tmp[i];
+    }
+    rmsnorm(h, norm_w, eps, normed, H);
+    free(buf);
+    return 0;
+}

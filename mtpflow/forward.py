@@ -15,12 +15,17 @@ Inside ``cpu_linear.packed()`` each layer's query/key/value projections and its 
 one product each (``fuse_projections``: the parts' weights become views into one concatenated weight, so no
 memory is added and HF's own forward keeps using the parts): the same sums per output, fewer and wider calls.
 
+One new token of one sequence (a plain decode step) goes further: ``native_row`` runs every layer in one call
+into the native kernels (``mtpflow_llama_row`` in ``kernels/small_gemm.c``; docs/kernels.md), where the model
+and the per-machine plan allow it.
+
 Used by ``mtpflow.target`` (through ``run``) for every forward over the KV pool (prefill, a sequence's own
 verify, the batch's verify) when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention, on any
 device. Other architectures (Gemma 3, ...), or ``MTPFLOW_LEAN_FORWARD=0``, take ``model(...)`` as before.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import inspect
 import os
@@ -31,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from mtpflow.kernels import cpu_linear
+from mtpflow import kv_cache
+from mtpflow.kernels import cpu_linear, native_linear
 
 SUPPORTED = ("LlamaForCausalLM",)
 
@@ -118,11 +124,15 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     inner = model.model
     if layer is None and getattr(model, "_mtpflow_fused", None) is None and cpu_linear.active():
         fuse_projections(model)
+    b, q = input_ids.shape
+    taps = taps_of(need_hidden)
+    if layer is None and b == 1 and q == 1 and attention_mask is None and set(taps) <= {-1}:
+        out = native_row(model, input_ids, position_ids, cache, bool(taps))
+        if out is not None:
+            return out
     apply_rotary = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(h, position_ids=position_ids)
-    b, q = input_ids.shape
-    taps = taps_of(need_hidden)
     tapped = {}
     mask = attention_mask
     if mask is None and q > 1:  # every layer holds as many entries: one mask serves them all
@@ -208,6 +218,127 @@ def fuse_projections(model) -> int:
         return count
 
 
+# ----- one new token through native code (batch 1, no draft) --------------------------------------------------
+
+class _RowSpec:
+    """What ``native_row`` gives ``mtpflow_llama_row`` (small_gemm.c) for one model: its dimensions, the weights'
+    pointer arrays, and what to check before each call that the weights are still the ones pointed at."""
+
+    def __init__(self, model):
+        cfg = model.config
+        inner = model.model
+        layers = list(inner.layers[: cfg.num_hidden_layers])
+        first = layers[0].self_attn
+        self.dims = (len(layers), int(cfg.hidden_size), int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
+                     int(first.head_dim), int(cfg.intermediate_size))
+        self.eps, self.scale = float(inner.norm.variance_epsilon), float(first.scaling)
+        self.norm = inner.norm.weight
+        self.fused = [m for block in layers for m in (block.self_attn._mtpflow_qkv, block.mlp._mtpflow_gate_up)]
+        self.plain = [m for block in layers for m in (block.input_layernorm, block.self_attn.o_proj,
+                                                      block.post_attention_layernorm, block.mlp.down_proj)]
+        self.plain.append(inner.norm)
+        self.ptrs = [m._parameters["weight"].data_ptr() for m in self.plain]
+        self.probe = first.o_proj
+
+        def array(tensors):
+            return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+        self.arrays = [array([getattr(block, a).weight for block in layers]) for a in ("input_layernorm",)] + \
+            [array([block.self_attn._mtpflow_qkv.weight for block in layers]),
+             array([block.self_attn.o_proj.weight for block in layers]),
+             array([block.post_attention_layernorm.weight for block in layers]),
+             array([block.mlp._mtpflow_gate_up.weight for block in layers]),
+             array([block.mlp.down_proj.weight for block in layers])]
+        self._kv = (None, -1, None, None)  # (the pool's key list, slot, key pointers, value pointers)
+
+    def ready(self) -> bool:
+        """The weights are still those pointed at (none replaced or quantized) and one row runs native."""
+        if self.probe._mtpflow_row_paths[0] != "native" or not all(f.ready() for f in self.fused):
+            return False
+        for m, ptr in zip(self.plain, self.ptrs):
+            if m._parameters["weight"].data_ptr() != ptr or getattr(m, "_mtpflow_int8", None) is not None:
+                return False
+        return True
+
+    def kv(self, pool, slot: int):
+        """Pointer arrays to ``slot``'s row of every layer's key and value buffer (rebuilt when the pool grows)."""
+        keys, cached_slot, k, v = self._kv
+        if keys is not pool.keys or cached_slot != slot:
+            row = pool.kv_heads * pool.capacity * pool.head_dim * 4
+            k = (ctypes.c_void_p * len(pool.keys))(*[t.data_ptr() + slot * row for t in pool.keys])
+            v = (ctypes.c_void_p * len(pool.values))(*[t.data_ptr() + slot * row for t in pool.values])
+            self._kv = (pool.keys, slot, k, v)
+        return k, v
+
+
+def _row_spec(model) -> _RowSpec | None:
+    """The model's ``_RowSpec``, built once; None where ``mtpflow_llama_row`` does not compute what the model does
+    (a norm, activation or rotary other than Llama's, biases, fused products missing, non-float32 weights)."""
+    spec = model.__dict__.get("_mtpflow_row_spec", False)
+    if spec is not False:
+        return spec
+    spec = None
+    try:
+        inner = model.model
+        layers = list(inner.layers[: model.config.num_hidden_layers])
+        llama = "transformers.models.llama.modeling_llama"
+        norms = [inner.norm] + [n for b in layers for n in (b.input_layernorm, b.post_attention_layernorm)]
+        linears = [m for b in layers for m in (b.self_attn._mtpflow_qkv, b.self_attn.o_proj, b.mlp._mtpflow_gate_up,
+                                               b.mlp.down_proj)]
+        ok = (getattr(model.config, "hidden_act", None) == "silu"
+              and all(type(b.self_attn).__module__ == llama and type(b.mlp).__module__ == llama for b in layers)
+              and all(type(n).__name__ == "LlamaRMSNorm" and float(n.variance_epsilon) == float(inner.norm.variance_epsilon)
+                      for n in norms)
+              and all(m.bias is None and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+                      and m.weight.is_contiguous() for m in linears)
+              and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms)
+              and layers[0].self_attn.head_dim % 2 == 0
+              and model.config.num_attention_heads % model.config.num_key_value_heads == 0)
+        spec = _RowSpec(model) if ok else None
+    except (AttributeError, TypeError):
+        spec = None
+    model.__dict__["_mtpflow_row_spec"] = spec
+    return spec
+
+
+def native_row(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, need_hidden: bool):
+    """``forward`` for one new token of one sequence, through ``mtpflow_llama_row`` (every layer in one native
+    call; the LM head is the model's own linear), or None where it does not apply: outside ``cpu_linear.packed()``,
+    no native kernels, a model ``_row_spec`` turns down, a one-row plan that is not native, another cache than
+    the pool's views (a ``SlotCache``; a ``BatchCache`` of one sequence), or ``MTPFLOW_NATIVE_ROW=0``."""
+    if not cpu_linear.active() or not getattr(model, "_mtpflow_fused", None) \
+            or os.environ.get("MTPFLOW_NATIVE_ROW", "1") == "0":
+        return None
+    lib = native_linear.library()
+    spec = _row_spec(model) if lib is not None else None
+    if spec is None or not spec.ready():
+        return None
+    if isinstance(cache, kv_cache.SlotCache):
+        pool, slot, pos = cache.seq.pool, cache.seq.slot, cache.layers[0].length
+        if cache.layers[-1].length != pos:
+            return None
+    elif isinstance(cache, kv_cache.BatchCache) and cache.query_length == 1 and cache.row_index.numel() == 1:
+        pool, slot, pos = cache.pool, 0, cache.kv_length - 1
+    else:
+        return None
+    if pool.dtype != torch.float32 or pool.device.type != "cpu":
+        return None
+    pool.ensure(pos + 1)
+    keys, values = spec.kv(pool, slot)
+    inner = model.model
+    h = inner.embed_tokens(input_ids).contiguous()
+    cos, sin = (t.contiguous() for t in inner.rotary_emb(h, position_ids=position_ids))
+    normed = torch.empty_like(h)
+    if lib.mtpflow_llama_row(h.data_ptr(), normed.data_ptr(), *spec.dims, *spec.arrays, spec.norm.data_ptr(), spec.eps,
+                             keys, values, pool.capacity, pos, cos.data_ptr(), sin.data_ptr(), spec.scale,
+                             torch.get_num_threads()) != 0:
+        raise MemoryError("mtpflow_llama_row: out of memory")
+    if isinstance(cache, kv_cache.SlotCache):
+        for layer in cache.layers:
+            layer.length = pos + 1
+    return model.lm_head(normed), (normed if need_hidden else None)
+
+
 def grouped_attention(query, key, value, mask, scale: float) -> torch.Tensor:
     """Attention written out for the compiled forward (Inductor fuses the mask, softmax and scaling; its lowering
     of SDPA's CPU kernel wants strides a view into the KV pool does not have): query [B, H, q, d], key and value
@@ -245,7 +376,12 @@ def run(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_ma
         if getattr(model, "_mtpflow_compiled", None) is not None:
             from mtpflow import compiled
 
-            out = compiled.run(model, input_ids, position_ids, attention_mask, cache, taps_of(need_hidden))
+            taps = taps_of(need_hidden)
+            out = None
+            if input_ids.shape[0] == 1 and input_ids.shape[1] == 1 and attention_mask is None and set(taps) <= {-1}:
+                out = native_row(model, input_ids, position_ids, cache, bool(taps))  # faster than the graph
+            if out is None:
+                out = compiled.run(model, input_ids, position_ids, attention_mask, cache, taps)
             if out is not None:
                 return out
         return forward(model, input_ids, position_ids, attention_mask, cache, need_hidden, logits_to_keep)

@@ -206,10 +206,13 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         base = root_positions[i] - target.position_shift
         positions[slot] = base
         positions[slot, 1:n] = base + draft.depths()
-    mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
+    # one sequence, one row: it sees its whole cache and itself, which is what no mask means (and what lets the
+    # lean forward take its one-row path, mtpflow.forward.native_row)
+    mask = None if rows == 1 and q == 1 else \
+        torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
     taps = tuple(sorted({t for target in targets for t in target.taps}))
-    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask.to(device), cache,
+    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), None if mask is None else mask.to(device), cache,
                                       taps)
     seconds = time.perf_counter() - t0
     logits = logits.float()

@@ -74,6 +74,7 @@ def test_failed_compile_runs_eager_with_one_line(capsys, monkeypatch):
         raise RuntimeError("no C++ compiler\nsecond line of a long error")
 
     monkeypatch.setattr(compiled.Compiled, "_build", broken)
+    monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "0")  # one-row steps through the graph too (else the native row)
     engine = Engine(compose(["strategy=pld", "trace=off", f"max_new_tokens={NEW}"]), loaded=loaded)
     prompt = prompts(1, seed=7)[0]
     try:

@@ -218,3 +218,108 @@ def test_greedy_with_fused_projections_equals_hf(tiny):
     assert getattr(model, "_mtpflow_fused", 0) > 0 and isinstance(model.lm_head, cpu_linear.PackedLinear)
     assert result.token_ids == reference
     assert hf_greedy(model, prompt, 24) == reference  # HF's own forward over the parts (now views) unchanged
+
+
+def _native_model(**config):
+    from mtpflow.kernels import cpu_linear, native_linear
+
+    if not native_linear.available():
+        pytest.skip("the native kernel cannot be built here")
+    model = make_tiny_model(96, layers=3)
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    cpu_linear.install(model, plans=("native",) * len(cpu_linear.ROW_BUCKETS))
+    return model
+
+
+def _count_native_rows(monkeypatch) -> list:
+    """Records every one-row forward that ``native_row`` ran (not declined)."""
+    ran, real = [], lean.native_row
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if out is not None:
+            ran.append(out)
+        return out
+
+    monkeypatch.setattr(lean, "native_row", counting)
+    return ran
+
+
+@pytest.mark.parametrize("context", [11, 300])  # 300: attention over more than 128 entries runs on threads
+def test_native_row_computes_what_the_lean_forward_computes(context, monkeypatch):
+    from mtpflow.kernels import cpu_linear
+
+    model = _native_model()
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(1, 96, (1, context), generator=g)
+    ran = _count_native_rows(monkeypatch)
+
+    def run(native: bool):
+        monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "1" if native else "0")
+        pool = KVPool(model, max_slots=1)
+        seq = SequenceKV(pool)
+        outs = []
+        with cpu_linear.packed(), torch.inference_mode():
+            cache = seq.view()
+            lean.forward(model, prompt, torch.arange(context)[None], None, cache)
+            for step, token in enumerate((5, 17, 42)):  # three one-row steps through the sequence's own view
+                seq.length = cache.layers[0].length
+                cache = seq.view()
+                outs.append(lean.forward(model, torch.tensor([[token]]), torch.tensor([[context + step]]), None,
+                                         cache, True))
+            seq.length = cache.layers[0].length
+            batch = BatchCache(pool, [seq.length], 1)  # and one through a batch of this one sequence
+            outs.append(lean.forward(model, torch.tensor([[9]]), torch.tensor([[seq.length]]), None, batch, True))
+            n = seq.length + 1
+            return outs, pool.keys[1][0, :, :n].clone(), pool.values[2][0, :, :n].clone(), cache.layers[-1].length
+
+    mine, keys, values, length = run(True)
+    assert len(ran) == 4
+    theirs, keys_ref, values_ref, length_ref = run(False)
+    assert length == length_ref == context + 3
+    for (la, ha), (lb, hb) in zip(mine, theirs):
+        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)  # another summation order, not other numbers
+        torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, keys_ref, rtol=1e-5, atol=1e-5)  # the new entries written into the pool
+    torch.testing.assert_close(values, values_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_native_row_declines_what_it_does_not_compute(monkeypatch):
+    from mtpflow.kernels import cpu_linear
+
+    ids, positions = torch.tensor([[5]]), torch.tensor([[0]])
+
+    def ran_on(model) -> bool:
+        seq = SequenceKV(KVPool(model, max_slots=1))
+        with cpu_linear.packed(), torch.inference_mode():
+            lean.fuse_projections(model)
+            return lean.native_row(model, ids, positions, seq.view(), False) is not None
+
+    assert ran_on(_native_model())
+    assert not ran_on(_native_model(hidden_act="gelu"))  # another activation (the spec is built once, at first use)
+    biased = _native_model()
+    biased.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    assert not ran_on(biased)
+    stock = _native_model()
+    cpu_linear.apply_plans(stock, ("stock",) * len(cpu_linear.ROW_BUCKETS))  # one row measured faster elsewhere
+    assert not ran_on(stock)
+    replaced = _native_model()
+    assert ran_on(replaced)
+    down = replaced.model.layers[2].mlp.down_proj
+    down.weight = torch.nn.Parameter(down.weight.detach().clone())  # a weight swapped after the first call
+    assert not ran_on(replaced)
+    monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "0")
+    assert not ran_on(_native_model())
+
+
+def test_greedy_through_the_native_row_equals_hf(tiny, monkeypatch):
+    from mtpflow.kernels import cpu_linear
+
+    prompt = [5, 17, 23, 8, 42, 11, 9]
+    ran = _count_native_rows(monkeypatch)
+    for strategy in ("baseline", "pld"):
+        pipe = make_pipeline(tiny, strategy, "max_new_tokens=40", "trace=off", "model.cpu_linear=packed")
+        cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+        assert pipe(prompt_ids=prompt).token_ids == hf_greedy(pipe.loaded.model, prompt, 40)
+    assert ran
