@@ -99,9 +99,9 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mtpflow_small_gemm_q8.restype = None
     lib.mtpflow_vector_width.restype = ctypes.c_int
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.mtpflow_llama_row.argtypes = ([ptr, ptr] + [i32] * 6 + [ptr] * 7 + [ctypes.c_float, ptr, ptr, ctypes.c_long, i32,
-                                                                        ptr, ptr, ctypes.c_float, i32])
-    lib.mtpflow_llama_row.restype = i32
+    lib.mtpflow_llama_rows.argtypes = ([ptr, ptr] + [i32] * 7 + [ptr] * 11 + [ctypes.c_float, ptr, ptr, ctypes.c_long]
+                                       + [ptr] * 6 + [i32, ptr, ptr, ctypes.c_float, i32])
+    lib.mtpflow_llama_rows.restype = i32
     return lib
 
 

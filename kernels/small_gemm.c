@@ -257,59 +257,94 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-int mtpflow_llama_row(float *h, float *normed, int L, int H, int nh, int nkv, int d, int I,
-                      const float *const *ln1, const float *const *wqkv, const float *const *wo,
-                      const float *const *ln2, const float *const *wgu, const float *const *wd,
-                      const float *norm_w, float eps, float *const *kc, float *const *vc, long cap, int pos,
-                      const float *cos, const float *sin, float scale, int threads) {
-    const int nq = nh * d, nk = nkv * d, group = nh / nkv, n = pos + 1;
-    const size_t need = (size_t)H * 2 + (size_t)(nq + 2 * nk) + nq + (size_t)I * 3 + (size_t)nh * n;
+/* M rows of several sequences at once (mtpflow_llama_rows): row r belongs to the sequence in pool slot
+ * slot[r], writes its key and value at wpos[r] of that slot's row, and attends to the slot's first prefix[r]
+ * entries plus those of its own sequence's new entries (rows first[r] .. first[r] + count[r] - 1, written at
+ * prefix[r] + 0, 1, ...) that allowed[r * qmax + j] marks (a tree: the root, its ancestors, itself). h, normed:
+ * [M][H]; cos, sin: [M][d]; kc, vc: per layer the whole buffer, [slots][nkv][cap][d]; panels: per layer the
+ * panel copies of wqkv, wo, wgu, wd (native_linear.pack_panels), used from PANEL_MIN_ROWS rows as the native
+ * linear does, or NULL. */
+#define PANEL_MIN_ROWS 6
+
+static void product(const float *x, const float *w, const float *panel, float *y, int M, int N, int K, int threads) {
+    if (panel && M >= PANEL_MIN_ROWS) mtpflow_panel_gemm(x, panel, NULL, y, M, N, K, threads);
+    else mtpflow_small_gemm(x, w, NULL, y, M, N, K, threads);
+}
+
+int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int nkv, int d, int I,
+                       const float *const *ln1, const float *const *wqkv, const float *const *wo,
+                       const float *const *ln2, const float *const *wgu, const float *const *wd,
+                       const float *const *pqkv, const float *const *po, const float *const *pgu,
+                       const float *const *pd, const float *norm_w, float eps, float *const *kc, float *const *vc,
+                       long cap, const int *slot, const int *wpos, const int *prefix, const int *first,
+                       const int *count, const unsigned char *allowed, int qmax, const float *cos,
+                       const float *sin, float scale, int threads) {
+    const int nq = nh * d, nk = nkv * d, group = nh / nkv, nqkv = nq + 2 * nk;
+    const size_t slot_stride = (size_t)nkv * cap * d;
+    int longest = 1;
+    for (int r = 0; r < M; r++)
+        if (prefix[r] + count[r] > longest) longest = prefix[r] + count[r];
+    const size_t need = (size_t)M * (2 * H + nqkv + nq + 3 * (size_t)I) + (size_t)M * nh * longest;
     float *buf = malloc(need * sizeof(float));
     if (!buf) return -1;
-    float *x = buf, *tmp = x + H, *qkv = tmp + H, *att = qkv + nq + 2 * nk, *gu = att + nq, *act = gu + 2 * (size_t)I,
-          *scores = act + I;
+    float *x = buf, *tmp = x + (size_t)M * H, *qkv = tmp + (size_t)M * H, *att = qkv + (size_t)M * nqkv,
+          *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I, *scores = act + (size_t)M * I;
     for (int l = 0; l < L; l++) {
-        rmsnorm(h, ln1[l], eps, x, H);
-        mtpflow_small_gemm(x, wqkv[l], NULL, qkv, 1, nq + 2 * nk, H, threads);
-        float *q = qkv, *k = qkv + nq, *v = qkv + nq + nk;
-        for (int j = 0; j < nh; j++) rotary(q + (size_t)j * d, cos, sin, d);
-        for (int j = 0; j < nkv; j++) {
-            rotary(k + (size_t)j * d, cos, sin, d);
-            float *kd = kc[l] + ((size_t)j * cap + pos) * d, *vd = vc[l] + ((size_t)j * cap + pos) * d;
-            for (int i = 0; i < d; i++) { kd[i] = k[j * d + i]; vd[i] = v[j * d + i]; }
+        for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, ln1[l], eps, x + (size_t)r * H, H);
+        product(x, wqkv[l], pqkv ? pqkv[l] : NULL, qkv, M, nqkv, H, threads);
+        for (int r = 0; r < M; r++) {
+            float *q = qkv + (size_t)r * nqkv, *k = q + nq, *v = k + nk;
+            const float *c = cos + (size_t)r * d, *sn = sin + (size_t)r * d;
+            for (int j = 0; j < nh; j++) rotary(q + (size_t)j * d, c, sn, d);
+            for (int j = 0; j < nkv; j++) {
+                rotary(k + (size_t)j * d, c, sn, d);
+                const size_t at = slot[r] * slot_stride + ((size_t)j * cap + wpos[r]) * d;
+                for (int i = 0; i < d; i++) { kc[l][at + i] = k[j * d + i]; vc[l][at + i] = v[j * d + i]; }
+            }
         }
-#pragma omp parallel for schedule(static) num_threads(threads) if (n > 128)
-        for (int j = 0; j < nh; j++) {
-            const float *qh = q + (size_t)j * d;
-            const float *keys = kc[l] + (size_t)(j / group) * cap * d, *values = vc[l] + (size_t)(j / group) * cap * d;
-            float *s = scores + (size_t)j * n, *o = att + (size_t)j * d;
+        const long work = (long)M * nh * longest;
+#pragma omp parallel for schedule(static) num_threads(threads) if (work > 1024)
+        for (int p = 0; p < M * nh; p++) {
+            const int r = p / nh, j = p % nh;
+            const float *qh = qkv + (size_t)r * nqkv + (size_t)j * d;
+            const size_t base = slot[r] * slot_stride + (size_t)(j / group) * cap * d;
+            const float *keys = kc[l] + base, *values = vc[l] + base;
+            const unsigned char *own = allowed + (size_t)r * qmax;
+            const int n0 = prefix[r], n = n0 + count[r];
+            float *s = scores + (size_t)p * longest, *o = att + (size_t)r * nq + (size_t)j * d;
             float m = -INFINITY, total = 0.0f;
             for (int t = 0; t < n; t++) {
+                if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
                 s[t] = dot(qh, keys + (size_t)t * d, d) * scale;
                 if (s[t] > m) m = s[t];
             }
-            for (int t = 0; t < n; t++) { s[t] = expf(s[t] - m); total += s[t]; }
+            for (int t = 0; t < n; t++) {
+                s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m);
+                total += s[t];
+            }
             for (int i = 0; i < d; i++) o[i] = 0.0f;
             for (int t = 0; t < n; t++) {
-                const float p = s[t];
+                const float w = s[t];
+                if (w == 0.0f) continue;
                 const float *vt = values + (size_t)t * d;
-                for (int i = 0; i < d; i++) o[i] += p * vt[i];
+                for (int i = 0; i < d; i++) o[i] += w * vt[i];
             }
             const float inv = 1.0f / total;
             for (int i = 0; i < d; i++) o[i] *= inv;
         }
-        mtpflow_small_gemm(att, wo[l], NULL, tmp, 1, H, nq, threads);
-        for (int i = 0; i < H; i++) h[i] = h[i] + tmp[i];
-        rmsnorm(h, ln2[l], eps, x, H);
-        mtpflow_small_gemm(x, wgu[l], NULL, gu, 1, 2 * I, H, threads);
-        for (int i = 0; i < I; i++) {
-            const float g = gu[i];
-            act[i] = g / (1.0f + expf(-g)) * gu[I + i];
+        product(att, wo[l], po ? po[l] : NULL, tmp, M, H, nq, threads);
+        for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];
+        for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, ln2[l], eps, x + (size_t)r * H, H);
+        product(x, wgu[l], pgu ? pgu[l] : NULL, gu, M, 2 * I, H, threads);
+        for (int r = 0; r < M; r++) {
+            const float *g = gu + (size_t)r * 2 * I, *u = g + I;
+            float *a = act + (size_t)r * I;
+            for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        mtpflow_small_gemm(act, wd[l], NULL, tmp, 1, H, I, threads);
-        for (int i = 0; i < H; i++) h[i] = h[i] + tmp[i];
+        product(act, wd[l], pd ? pd[l] : NULL, tmp, M, H, I, threads);
+        for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];
     }
-    rmsnorm(h, norm_w, eps, normed, H);
+    for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, norm_w, eps, normed + (size_t)r * H, H);
     free(buf);
     return 0;
 }

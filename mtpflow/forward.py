@@ -15,9 +15,10 @@ Inside ``cpu_linear.packed()`` each layer's query/key/value projections and its 
 one product each (``fuse_projections``: the parts' weights become views into one concatenated weight, so no
 memory is added and HF's own forward keeps using the parts): the same sums per output, fewer and wider calls.
 
-One new token of one sequence (a plain decode step) goes further: ``native_row`` runs every layer in one call
-into the native kernels (``mtpflow_llama_row`` in ``kernels/small_gemm.c``; docs/kernels.md), where the model
-and the per-machine plan allow it.
+Verify forwards on a CPU go further: ``native_rows`` (the engine's batch, a sequence's own verify) and
+``native_row`` (one new token through a cache view) run every layer in one call into the native kernels
+(``mtpflow_llama_rows`` in ``kernels/small_gemm.c``; docs/kernels.md), where the model and the per-machine plan
+allow it.
 
 Used by ``mtpflow.target`` (through ``run``) for every forward over the KV pool (prefill, a sequence's own
 verify, the batch's verify) when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention, on any
@@ -218,10 +219,10 @@ def fuse_projections(model) -> int:
         return count
 
 
-# ----- one new token through native code (batch 1, no draft) --------------------------------------------------
+# ----- new tokens through native code: every layer in one call ---------------------------------------------
 
 class _RowSpec:
-    """What ``native_row`` gives ``mtpflow_llama_row`` (small_gemm.c) for one model: its dimensions, the weights'
+    """What ``native_rows`` gives ``mtpflow_llama_rows`` (small_gemm.c) for one model: its dimensions, the weights'
     pointer arrays, and what to check before each call that the weights are still the ones pointed at."""
 
     def __init__(self, model):
@@ -239,40 +240,47 @@ class _RowSpec:
         self.plain.append(inner.norm)
         self.ptrs = [m._parameters["weight"].data_ptr() for m in self.plain]
         self.probe = first.o_proj
+        # the products in the kernel's order: fused q/k/v, o_proj, fused gate/up, down_proj
+        self.linears = [[block.self_attn._mtpflow_qkv for block in layers], [block.self_attn.o_proj for block in layers],
+                        [block.mlp._mtpflow_gate_up for block in layers], [block.mlp.down_proj for block in layers]]
+        qkv, o, gu, down = (_pointers([m.weight for m in ms]) for ms in self.linears)
+        self.weights = (_pointers([b.input_layernorm.weight for b in layers]), qkv, o,
+                        _pointers([b.post_attention_layernorm.weight for b in layers]), gu, down)
+        self._kv = (None, None, None)  # (the pool's key list, key pointers, value pointers)
 
-        def array(tensors):
-            return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-
-        self.arrays = [array([getattr(block, a).weight for block in layers]) for a in ("input_layernorm",)] + \
-            [array([block.self_attn._mtpflow_qkv.weight for block in layers]),
-             array([block.self_attn.o_proj.weight for block in layers]),
-             array([block.post_attention_layernorm.weight for block in layers]),
-             array([block.mlp._mtpflow_gate_up.weight for block in layers]),
-             array([block.mlp.down_proj.weight for block in layers])]
-        self._kv = (None, -1, None, None)  # (the pool's key list, slot, key pointers, value pointers)
-
-    def ready(self) -> bool:
-        """The weights are still those pointed at (none replaced or quantized) and one row runs native."""
-        if self.probe._mtpflow_row_paths[0] != "native" or not all(f.ready() for f in self.fused):
+    def ready(self, rows: int) -> bool:
+        """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native."""
+        plans = self.probe._mtpflow_row_paths
+        if plans[cpu_linear._BUCKET_OF[rows] if rows < len(cpu_linear._BUCKET_OF) else -1] != "native" \
+                or not all(f.ready() for f in self.fused):
             return False
         for m, ptr in zip(self.plain, self.ptrs):
             if m._parameters["weight"].data_ptr() != ptr or getattr(m, "_mtpflow_int8", None) is not None:
                 return False
         return True
 
-    def kv(self, pool, slot: int):
-        """Pointer arrays to ``slot``'s row of every layer's key and value buffer (rebuilt when the pool grows)."""
-        keys, cached_slot, k, v = self._kv
-        if keys is not pool.keys or cached_slot != slot:
-            row = pool.kv_heads * pool.capacity * pool.head_dim * 4
-            k = (ctypes.c_void_p * len(pool.keys))(*[t.data_ptr() + slot * row for t in pool.keys])
-            v = (ctypes.c_void_p * len(pool.values))(*[t.data_ptr() + slot * row for t in pool.values])
-            self._kv = (pool.keys, slot, k, v)
+    def panels(self, rows: int):
+        """Pointer arrays to each product's panel copy (built on first use, as the native linear builds them)
+        from ``native_linear.PANEL_MIN_ROWS`` rows, else NULLs."""
+        if rows < native_linear.PANEL_MIN_ROWS:
+            return (None,) * 4
+        return tuple(_pointers([m._panels() for m in ms]) for ms in self.linears)
+
+    def kv(self, pool):
+        """Pointer arrays to every layer's key and value buffer (rebuilt when the pool grows)."""
+        keys, k, v = self._kv
+        if keys is not pool.keys:
+            k, v = _pointers(pool.keys), _pointers(pool.values)
+            self._kv = (pool.keys, k, v)
         return k, v
 
 
+def _pointers(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
 def _row_spec(model) -> _RowSpec | None:
-    """The model's ``_RowSpec``, built once; None where ``mtpflow_llama_row`` does not compute what the model does
+    """The model's ``_RowSpec``, built once; None where ``mtpflow_llama_rows`` does not compute what the model does
     (a norm, activation or rotary other than Llama's, biases, fused products missing, non-float32 weights)."""
     spec = model.__dict__.get("_mtpflow_row_spec", False)
     if spec is not False:
@@ -301,17 +309,49 @@ def _row_spec(model) -> _RowSpec | None:
     return spec
 
 
-def native_row(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, need_hidden: bool):
-    """``forward`` for one new token of one sequence, through ``mtpflow_llama_row`` (every layer in one native
-    call; the LM head is the model's own linear), or None where it does not apply: outside ``cpu_linear.packed()``,
-    no native kernels, a model ``_row_spec`` turns down, a one-row plan that is not native, another cache than
-    the pool's views (a ``SlotCache``; a ``BatchCache`` of one sequence), or ``MTPFLOW_NATIVE_ROW=0``."""
+def _native(model, rows: int):
+    """(the kernels, the model's spec) where ``rows`` new tokens may go through ``mtpflow_llama_rows``, else None."""
     if not cpu_linear.active() or not getattr(model, "_mtpflow_fused", None) \
             or os.environ.get("MTPFLOW_NATIVE_ROW", "1") == "0":
         return None
     lib = native_linear.library()
     spec = _row_spec(model) if lib is not None else None
-    if spec is None or not spec.ready():
+    if spec is None or not spec.ready(rows):
+        return None
+    return lib, spec
+
+
+def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first, count, allowed):
+    """``mtpflow_llama_rows`` over the rows described (lists of ints, one entry per row; ``allowed`` a uint8
+    [rows, qmax] tensor): returns the LM head's logits [1, rows, vocab] and the normed last hidden states."""
+    pool.ensure(max(w + 1 for w in wpos))
+    if pool.dtype != torch.float32 or pool.device.type != "cpu":
+        return None
+    keys, values = spec.kv(pool)
+    inner = model.model
+    h = inner.embed_tokens(ids).contiguous()
+    cos, sin = (t.contiguous() for t in inner.rotary_emb(h, position_ids=positions))
+    normed = torch.empty_like(h)
+    ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, first, count)]
+    m = len(slots)
+    if lib.mtpflow_llama_rows(h.data_ptr(), normed.data_ptr(), m, *spec.dims, *spec.weights, *spec.panels(m),
+                              spec.norm.data_ptr(), spec.eps, keys, values, pool.capacity,
+                              *[t.data_ptr() for t in ints], allowed.data_ptr(), allowed.shape[1], cos.data_ptr(),
+                              sin.data_ptr(), spec.scale, torch.get_num_threads()) != 0:
+        raise MemoryError("mtpflow_llama_rows: out of memory")
+    return model.lm_head(normed), normed
+
+
+_ONE = torch.ones(1, 1, dtype=torch.uint8)
+
+
+def native_row(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, need_hidden: bool):
+    """``forward`` for one new token of one sequence through ``mtpflow_llama_rows`` (every layer in one native
+    call; the LM head is the model's own linear), or None where it does not apply: outside ``cpu_linear.packed()``,
+    no native kernels, a model ``_row_spec`` turns down, a one-row plan that is not native, another cache than
+    the pool's views (a ``SlotCache``; a ``BatchCache`` of one sequence), or ``MTPFLOW_NATIVE_ROW=0``."""
+    native = _native(model, 1)
+    if native is None:
         return None
     if isinstance(cache, kv_cache.SlotCache):
         pool, slot, pos = cache.seq.pool, cache.seq.slot, cache.layers[0].length
@@ -321,22 +361,46 @@ def native_row(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache
         pool, slot, pos = cache.pool, 0, cache.kv_length - 1
     else:
         return None
-    if pool.dtype != torch.float32 or pool.device.type != "cpu":
+    out = _run_rows(model, *native, pool, input_ids, position_ids, [slot], [pos], [pos], [0], [1], _ONE)
+    if out is None:
         return None
-    pool.ensure(pos + 1)
-    keys, values = spec.kv(pool, slot)
-    inner = model.model
-    h = inner.embed_tokens(input_ids).contiguous()
-    cos, sin = (t.contiguous() for t in inner.rotary_emb(h, position_ids=position_ids))
-    normed = torch.empty_like(h)
-    if lib.mtpflow_llama_row(h.data_ptr(), normed.data_ptr(), *spec.dims, *spec.arrays, spec.norm.data_ptr(), spec.eps,
-                             keys, values, pool.capacity, pos, cos.data_ptr(), sin.data_ptr(), spec.scale,
-                             torch.get_num_threads()) != 0:
-        raise MemoryError("mtpflow_llama_row: out of memory")
     if isinstance(cache, kv_cache.SlotCache):
         for layer in cache.layers:
             layer.length = pos + 1
-    return model.lm_head(normed), (normed if need_hidden else None)
+    logits, normed = out
+    return logits, (normed if need_hidden else None)
+
+
+def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[torch.Tensor],
+                positions: list[torch.Tensor], allowed: list[torch.Tensor]):
+    """The engine's batched verify (``target.verify_batch``) through ``mtpflow_llama_rows``: sequence i (pool slot
+    ``slots[i]``, ``lengths[i]`` entries) feeds ``ids[i]`` at rope ``positions[i]``, written at its length on, row j
+    seeing its prefix and the new entries ``allowed[i][j]`` marks. Only real rows are computed (no padding).
+    Returns (logits [rows, vocab], normed hidden [rows, hidden], each sequence's first row), or None where it
+    does not apply (see ``native_row``; the rows' plan must be native too)."""
+    counts = [int(t.numel()) for t in ids]
+    m = sum(counts)
+    native = _native(model, m)
+    if native is None:
+        return None
+    qmax = max(counts)
+    mask = torch.zeros(m, qmax, dtype=torch.uint8)
+    row_slots, wpos, prefix, first, count = [], [], [], [], []
+    start = 0
+    for slot, length, n, a in zip(slots, lengths, counts, allowed):
+        mask[start:start + n, :n] = a
+        row_slots += [slot] * n
+        wpos += range(length, length + n)
+        prefix += [length] * n
+        first += [start] * n
+        count += [n] * n
+        start += n
+    out = _run_rows(model, *native, pool, torch.cat(ids)[None], torch.cat(positions)[None], row_slots, wpos,
+                    prefix, first, count, mask)
+    if out is None:
+        return None
+    logits, normed = out
+    return logits[0], normed[0], [f for f, j in zip(first, range(m)) if j == f]
 
 
 def grouped_attention(query, key, value, mask, scale: float) -> torch.Tensor:

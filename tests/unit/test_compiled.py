@@ -25,6 +25,12 @@ NEW = 24
 STRATEGIES = [("baseline", {}), ("pld", {"propose.costs": None}), ("jacobi", {"k": 3}), ("adaptive", {"propose.costs": None})]
 
 
+@pytest.fixture(autouse=True)
+def _graph_not_native_rows(monkeypatch):
+    """Where mtpflow_llama_rows applies (a native plan) it runs instead of the graph; these tests are about the graph."""
+    monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "0")
+
+
 def compiled_tiny(seed: int):
     loaded = tiny_loaded(seed=seed, layers=3)
     if native_linear.available():  # the linears go through the custom op to mtpflow's own kernel
@@ -74,7 +80,6 @@ def test_failed_compile_runs_eager_with_one_line(capsys, monkeypatch):
         raise RuntimeError("no C++ compiler\nsecond line of a long error")
 
     monkeypatch.setattr(compiled.Compiled, "_build", broken)
-    monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "0")  # one-row steps through the graph too (else the native row)
     engine = Engine(compose(["strategy=pld", "trace=off", f"max_new_tokens={NEW}"]), loaded=loaded)
     prompt = prompts(1, seed=7)[0]
     try:

@@ -313,13 +313,67 @@ def test_native_row_declines_what_it_does_not_compute(monkeypatch):
     assert not ran_on(_native_model())
 
 
-def test_greedy_through_the_native_row_equals_hf(tiny, monkeypatch):
+def test_greedy_through_the_native_rows_equals_hf(tiny, monkeypatch):
     from mtpflow.kernels import cpu_linear
 
     prompt = [5, 17, 23, 8, 42, 11, 9]
-    ran = _count_native_rows(monkeypatch)
+    ran = _count_batches(monkeypatch)  # every verify forward of the engine (plain steps and drafts)
     for strategy in ("baseline", "pld"):
         pipe = make_pipeline(tiny, strategy, "max_new_tokens=40", "trace=off", "model.cpu_linear=packed")
         cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
         assert pipe(prompt_ids=prompt).token_ids == hf_greedy(pipe.loaded.model, prompt, 40)
     assert ran
+
+
+@pytest.mark.parametrize("drafted", ["none", "mixed", "wide"])
+def test_native_rows_verify_a_batch_as_the_lean_forward_does(drafted, monkeypatch):
+    """verify_batch through mtpflow_llama_rows (only real rows, each sequence's tree visibility) against the
+    padded batch forward: logits, hidden states, the entries written and the lengths; a pool slot that is not
+    in the batch (a sequence between prefill and its first step) stays untouched."""
+    from mtpflow.kernels import cpu_linear
+    from mtpflow.target import Target, verify_batch
+    from mtpflow.types import Draft
+
+    model = _native_model()
+    g = torch.Generator().manual_seed(3)
+    tree = Draft(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, -1, 0, 0, 2]))
+    drafts = {"none": [Draft.chain([]), Draft.chain([]), Draft.chain([])],
+              "mixed": [Draft.chain([]), Draft.chain([4, 5, 6]), tree],  # 9 rows: the panel products
+              "wide": [tree, tree, Draft.chain([3, 4, 5, 6, 7, 8])]}[drafted]
+    prompts = [torch.randint(1, 96, (n,), generator=g) for n in (9, 140, 30, 12)]
+
+    def run(native: bool):
+        monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "1" if native else "0")
+        pool = KVPool(model, max_slots=4)
+        with cpu_linear.packed(), torch.inference_mode():
+            targets = [Target(model, pool=pool, need_hidden=True) for _ in prompts]
+            for t, p in zip(targets, prompts):
+                t.prefill(p)
+            batch = targets[:3]  # the fourth rides along
+            out = verify_batch(model, batch, [5, 6, 7], drafts, [t.cache_len for t in batch])
+            return out, [t.kv.length for t in targets], [k.clone() for k in pool.keys], [v.clone() for v in pool.values]
+
+    ran = _count_batches(monkeypatch)
+    mine, lengths, keys, values = run(True)
+    assert ran
+    theirs, lengths_ref, keys_ref, values_ref = run(False)
+    assert lengths == lengths_ref
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
+    for slot, n in enumerate(lengths):  # every slot's valid entries (the padded path writes padding past them)
+        for a, b in zip(keys + values, keys_ref + values_ref):
+            torch.testing.assert_close(a[slot, :, :n], b[slot, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def _count_batches(monkeypatch) -> list:
+    ran, real = [], lean.native_rows
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if out is not None:
+            ran.append(out)
+        return out
+
+    monkeypatch.setattr(lean, "native_rows", counting)
+    return ran
