@@ -234,11 +234,13 @@ class _RowSpec:
                      int(first.head_dim), int(cfg.intermediate_size))
         self.eps, self.scale = float(inner.norm.variance_epsilon), float(first.scaling)
         self.norm = inner.norm.weight
-        self.fused = [m for block in layers for m in (block.self_attn._mtpflow_qkv, block.mlp._mtpflow_gate_up)]
-        self.plain = [m for block in layers for m in (block.input_layernorm, block.self_attn.o_proj,
-                                                      block.post_attention_layernorm, block.mlp.down_proj)]
-        self.plain.append(inner.norm)
-        self.ptrs = [m._parameters["weight"].data_ptr() for m in self.plain]
+        fused = [m for block in layers for m in (block.self_attn._mtpflow_qkv, block.mlp._mtpflow_gate_up)]
+        plain = [m for block in layers for m in (block.input_layernorm, block.self_attn.o_proj,
+                                                 block.post_attention_layernorm, block.mlp.down_proj)] + [inner.norm]
+        # every module whose weight the kernel reads (a fused product's parts are views into its weight), with
+        # where that weight lay when the spec was built: ``ready`` compares them before each call
+        self.watched = [(m.__dict__, m._parameters, m._parameters["weight"].data_ptr())
+                        for m in plain + [part for f in fused for part in f._mtpflow_parts]]
         self.probe = first.o_proj
         # the products in the kernel's order: fused q/k/v, o_proj, fused gate/up, down_proj
         self.linears = [[block.self_attn._mtpflow_qkv for block in layers], [block.self_attn.o_proj for block in layers],
@@ -251,11 +253,10 @@ class _RowSpec:
     def ready(self, rows: int) -> bool:
         """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native."""
         plans = self.probe._mtpflow_row_paths
-        if plans[cpu_linear._BUCKET_OF[rows] if rows < len(cpu_linear._BUCKET_OF) else -1] != "native" \
-                or not all(f.ready() for f in self.fused):
+        if plans[cpu_linear._BUCKET_OF[rows] if rows < len(cpu_linear._BUCKET_OF) else -1] != "native":
             return False
-        for m, ptr in zip(self.plain, self.ptrs):
-            if m._parameters["weight"].data_ptr() != ptr or getattr(m, "_mtpflow_int8", None) is not None:
+        for attrs, params, ptr in self.watched:  # read directly: 0.3 ms per forward through the modules' getattr
+            if params["weight"].data_ptr() != ptr or attrs.get("_mtpflow_int8") is not None:
                 return False
         return True
 

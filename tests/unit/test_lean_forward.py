@@ -309,6 +309,11 @@ def test_native_row_declines_what_it_does_not_compute(monkeypatch):
     down = replaced.model.layers[2].mlp.down_proj
     down.weight = torch.nn.Parameter(down.weight.detach().clone())  # a weight swapped after the first call
     assert not ran_on(replaced)
+    part = _native_model()
+    assert ran_on(part)
+    k_proj = part.model.layers[1].self_attn.k_proj
+    k_proj.weight = torch.nn.Parameter(k_proj.weight.detach().clone())  # one part of a fused product
+    assert not ran_on(part)
     monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "0")
     assert not ran_on(_native_model())
 
