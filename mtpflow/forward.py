@@ -243,7 +243,8 @@ class _RowSpec:
                         for m in plain + [part for f in fused for part in f._mtpflow_parts]]
         self.probe = first.o_proj
         # the products in the kernel's order: fused q/k/v, o_proj, fused gate/up, down_proj
-        self.linears = [[block.self_attn._mtpflow_qkv for block in layers], [block.self_attn.o_proj for block in layers],
+        self.linears = [[block.self_attn._mtpflow_qkv for block in layers],
+                        [block.self_attn.o_proj for block in layers],
                         [block.mlp._mtpflow_gate_up for block in layers], [block.mlp.down_proj for block in layers]]
         qkv, o, gu, down = (_pointers([m.weight for m in ms]) for ms in self.linears)
         self.weights = (_pointers([b.input_layernorm.weight for b in layers]), qkv, o,
@@ -296,8 +297,8 @@ def _row_spec(model) -> _RowSpec | None:
                                                b.mlp.down_proj)]
         ok = (getattr(model.config, "hidden_act", None) == "silu"
               and all(type(b.self_attn).__module__ == llama and type(b.mlp).__module__ == llama for b in layers)
-              and all(type(n).__name__ == "LlamaRMSNorm" and float(n.variance_epsilon) == float(inner.norm.variance_epsilon)
-                      for n in norms)
+              and all(type(n).__name__ == "LlamaRMSNorm"
+                      and float(n.variance_epsilon) == float(inner.norm.variance_epsilon) for n in norms)
               and all(m.bias is None and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
                       and m.weight.is_contiguous() for m in linears)
               and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms)

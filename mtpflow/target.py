@@ -215,12 +215,12 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         base = root_positions[i] - target.position_shift
         positions[slot] = base
         positions[slot, 1:n] = base + draft.depths()
-    # one sequence, one row: it sees its whole cache and itself, which is what no mask means (and what lets the
-    # lean forward take its one-row path, mtpflow.forward.native_row)
+    # one sequence, one row: it sees its whole cache and itself, which is what no mask means
     mask = None if rows == 1 and q == 1 else \
         torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
-    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), None if mask is None else mask.to(device), cache,
+    mask = None if mask is None else mask.to(device)
+    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask, cache,
                                       taps)
     seconds = time.perf_counter() - t0
     logits = logits.float()
