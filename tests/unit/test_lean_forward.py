@@ -232,9 +232,9 @@ def _native_model(**config):
     return model
 
 
-def _count_native_rows(monkeypatch) -> list:
-    """Records every one-row forward that ``native_row`` ran (not declined)."""
-    ran, real = [], lean.native_row
+def _count_runs(monkeypatch, name: str) -> list:
+    """Records every call of ``lean.<name>`` (``native_row`` / ``native_rows``) that ran rather than declined."""
+    ran, real = [], getattr(lean, name)
 
     def counting(*args, **kwargs):
         out = real(*args, **kwargs)
@@ -242,7 +242,7 @@ def _count_native_rows(monkeypatch) -> list:
             ran.append(out)
         return out
 
-    monkeypatch.setattr(lean, "native_row", counting)
+    monkeypatch.setattr(lean, name, counting)
     return ran
 
 
@@ -253,7 +253,7 @@ def test_native_row_computes_what_the_lean_forward_computes(context, monkeypatch
     model = _native_model()
     g = torch.Generator().manual_seed(2)
     prompt = torch.randint(1, 96, (1, context), generator=g)
-    ran = _count_native_rows(monkeypatch)
+    ran = _count_runs(monkeypatch, "native_row")
 
     def run(native: bool):
         monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "1" if native else "0")
@@ -322,7 +322,7 @@ def test_greedy_through_the_native_rows_equals_hf(tiny, monkeypatch):
     from mtpflow.kernels import cpu_linear
 
     prompt = [5, 17, 23, 8, 42, 11, 9]
-    ran = _count_batches(monkeypatch)  # every verify forward of the engine (plain steps and drafts)
+    ran = _count_runs(monkeypatch, "native_rows")  # every verify forward of the engine (plain steps and drafts)
     for strategy in ("baseline", "pld"):
         pipe = make_pipeline(tiny, strategy, "max_new_tokens=40", "trace=off", "model.cpu_linear=packed")
         cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
@@ -358,7 +358,7 @@ def test_native_rows_verify_a_batch_as_the_lean_forward_does(drafted, monkeypatc
             out = verify_batch(model, batch, [5, 6, 7], drafts, [t.cache_len for t in batch])
             return out, [t.kv.length for t in targets], [k.clone() for k in pool.keys], [v.clone() for v in pool.values]
 
-    ran = _count_batches(monkeypatch)
+    ran = _count_runs(monkeypatch, "native_rows")
     mine, lengths, keys, values = run(True)
     assert ran
     theirs, lengths_ref, keys_ref, values_ref = run(False)
@@ -369,16 +369,3 @@ def test_native_rows_verify_a_batch_as_the_lean_forward_does(drafted, monkeypatc
     for slot, n in enumerate(lengths):  # every slot's valid entries (the padded path writes padding past them)
         for a, b in zip(keys + values, keys_ref + values_ref):
             torch.testing.assert_close(a[slot, :, :n], b[slot, :, :n], rtol=1e-5, atol=1e-5)
-
-
-def _count_batches(monkeypatch) -> list:
-    ran, real = [], lean.native_rows
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        if out is not None:
-            ran.append(out)
-        return out
-
-    monkeypatch.setattr(lean, "native_rows", counting)
-    return ran
