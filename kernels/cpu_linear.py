@@ -492,7 +492,7 @@ def state(model: torch.nn.Module) -> str:
         name += "[" + ",".join(plans) + "]"
     if plans and "native" in plans and _native_version():
         name += " native:" + _native_version()  # a changed kernel is measured anew
-        if plans[0] == "native" and os.environ.get("MTPFLOW_NATIVE_ROW", "1") != "0":
+        if plans[0] == "native" and native_linear.rows_enabled():
             name += " rows"  # verify forwards through mtpflow_llama_rows (mtpflow.forward.native_rows)
     if any(m._mtpflow_int8 is not None for m in mods):
         name = "int8 native:" + _native_version()  # every row count takes the int8 kernel

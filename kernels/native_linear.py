@@ -109,6 +109,12 @@ def available() -> bool:
     return library() is not None
 
 
+def rows_enabled() -> bool:
+    """Whether verify forwards may go through ``mtpflow_llama_rows`` (``mtpflow.forward.native_rows``): the
+    kernels build here and ``MTPFLOW_NATIVE_ROW`` is not ``0``; read per forward, so a process can switch."""
+    return os.environ.get("MTPFLOW_NATIVE_ROW", "1") != "0" and available()
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` (out x in) as ceil(out / PANEL) panels of in x PANEL (zero rows past ``out``): the panel
     kernel's layout, one more copy of the weight."""

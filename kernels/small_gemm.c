@@ -212,23 +212,28 @@ void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, flo
     }
 }
 
-/* ---- one new token through a whole Llama-family decoder stack (mtpflow_llama_row) ----------------------
+/* ---- verify forward rows through a whole Llama-family decoder stack (mtpflow_llama_rows) ----------------
  *
- * A plain decode step at batch 1 (one row, no draft) spends about a fifth of its time between the linears:
- * per layer some fifty small torch ops (RMSNorm, rotary, KV writes, attention, SwiGLU, residuals), each a
- * few microseconds of dispatch for a few hundred floats of work. This runs the same arithmetic, in HF's
- * LlamaDecoderLayer order, in one call for all layers: RMSNorm (x * rsqrt(mean(x^2) + eps), then * weight),
- * the fused q/k/v product, rotary (q * cos + rotate_half(q) * sin), the new key and value written into the
- * KV pool at `pos`, grouped-query attention of the one query row over entries 0..pos (softmax of scaled
- * dot products), the output projection plus residual, RMSNorm, the fused gate/up product, silu(gate) * up,
- * the down projection plus residual; then the final norm. The products are mtpflow_small_gemm's, so they
- * are the numbers the native linear gives; the rest differs from torch's kernels in summation order and
- * exp/rsqrt rounding (around 1e-7 relative). mtpflow/forward.py (native_row) calls it and checks when it may.
+ * A verify forward spent about a third of its time between the linears: per layer some fifty small torch ops
+ * (RMSNorm, rotary, KV writes, attention, SwiGLU, residuals), each a few microseconds of dispatch for a few
+ * hundred floats of work. This runs the same arithmetic, in HF's LlamaDecoderLayer order, in one call for all
+ * layers: RMSNorm (x * rsqrt(mean(x^2) + eps), then * weight), the fused q/k/v product, rotary
+ * (q * cos + rotate_half(q) * sin), each row's new key and value written into the KV pool, grouped-query
+ * attention (softmax of scaled dot products), the output projection plus residual, RMSNorm, the fused gate/up
+ * product, silu(gate) * up, the down projection plus residual; then the final norm. The products are this
+ * file's kernels, as the native linear calls them, so they give its numbers; the rest differs from torch's
+ * kernels in summation order and exp/rsqrt rounding (around 1e-7 relative). mtpflow/forward.py (native_rows)
+ * calls it and checks when it may.
  *
- * h: [H] the token's embedding in, the last layer's output out; normed: [H] the final norm of it.
- * Per layer l (arrays of L pointers): ln1/ln2 [H] norm weights, wqkv [(nh + 2 nkv) d x H], wo [H x nh d],
- * wgu [2 I x H] (gate rows, then up rows), wd [H x I]; kc/vc the sequence's row of the layer's key / value
- * buffer, [nkv][cap][d]. cos, sin: [d] at the token's position. */
+ * M rows of several sequences: row r belongs to the sequence in pool slot slot[r], writes its key and value at
+ * wpos[r] of that slot's row, and attends to the slot's first prefix[r] entries plus those of its own
+ * sequence's new entries (rows first[r] .. first[r] + count[r] - 1, written at prefix[r] + 0, 1, ...) that
+ * allowed[r * qmax + j] marks (a tree: the root, its ancestors, itself). h: [M][H] the tokens' embeddings in,
+ * the last layer's output out; normed: [M][H] its final norm. Per layer l (arrays of L pointers): ln1/ln2 [H]
+ * norm weights, wqkv [(nh + 2 nkv) d x H], wo [H x nh d], wgu [2 I x H] (gate rows, then up rows), wd [H x I];
+ * pqkv, po, pgu, pd their panel copies (native_linear.pack_panels), or NULL for the row kernel (the caller
+ * passes them from PANEL_MIN_ROWS rows, as the native linear does); kc, vc the whole key / value buffer,
+ * [slots][nkv][cap][d]. cos, sin: [M][d] at each row's position. */
 #include <math.h>
 #include <stdlib.h>
 
@@ -257,17 +262,8 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
-/* M rows of several sequences at once (mtpflow_llama_rows): row r belongs to the sequence in pool slot
- * slot[r], writes its key and value at wpos[r] of that slot's row, and attends to the slot's first prefix[r]
- * entries plus those of its own sequence's new entries (rows first[r] .. first[r] + count[r] - 1, written at
- * prefix[r] + 0, 1, ...) that allowed[r * qmax + j] marks (a tree: the root, its ancestors, itself). h, normed:
- * [M][H]; cos, sin: [M][d]; kc, vc: per layer the whole buffer, [slots][nkv][cap][d]; panels: per layer the
- * panel copies of wqkv, wo, wgu, wd (native_linear.pack_panels), used from PANEL_MIN_ROWS rows as the native
- * linear does, or NULL. */
-#define PANEL_MIN_ROWS 6
-
 static void product(const float *x, const float *w, const float *panel, float *y, int M, int N, int K, int threads) {
-    if (panel && M >= PANEL_MIN_ROWS) mtpflow_panel_gemm(x, panel, NULL, y, M, N, K, threads);
+    if (panel) mtpflow_panel_gemm(x, panel, NULL, y, M, N, K, threads);
     else mtpflow_small_gemm(x, w, NULL, y, M, N, K, threads);
 }
 

@@ -200,11 +200,8 @@ def _source_hash() -> str:
 def run(model, input_ids, position_ids, attention_mask, cache, taps):
     """``(logits, taps)`` from the compiled forward, or None to run eager (not enabled, or it failed)."""
     compiled = getattr(model, "_mtpflow_compiled", None)
-    if compiled is None or not hasattr(cache, "row_index") or (attention_mask is None and input_ids.shape[1] > 1):
+    if compiled is None or attention_mask is None or not hasattr(cache, "row_index"):
         return None
-    if attention_mask is None:  # one row of one sequence (verify_batch passes no mask): it sees every entry
-        attention_mask = torch.zeros(input_ids.shape[0], 1, 1, cache.kv_length, dtype=model.dtype,
-                                     device=input_ids.device)
     return compiled(input_ids, position_ids, attention_mask, cache, tuple(taps))
 
 

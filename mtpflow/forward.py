@@ -15,10 +15,9 @@ Inside ``cpu_linear.packed()`` each layer's query/key/value projections and its 
 one product each (``fuse_projections``: the parts' weights become views into one concatenated weight, so no
 memory is added and HF's own forward keeps using the parts): the same sums per output, fewer and wider calls.
 
-Verify forwards on a CPU go further: ``native_rows`` (the engine's batch, a sequence's own verify) and
-``native_row`` (one new token through a cache view) run every layer in one call into the native kernels
-(``mtpflow_llama_rows`` in ``kernels/small_gemm.c``; docs/kernels.md), where the model and the per-machine plan
-allow it.
+Verify forwards on a CPU go further: ``native_rows`` (the engine's batch, a sequence's own verify) runs every
+layer in one call into the native kernels (``mtpflow_llama_rows`` in ``kernels/small_gemm.c``; docs/kernels.md),
+where the model and the per-machine plan allow it.
 
 Used by ``mtpflow.target`` (through ``run``) for every forward over the KV pool (prefill, a sequence's own
 verify, the batch's verify) when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention, on any
@@ -125,15 +124,11 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     inner = model.model
     if layer is None and getattr(model, "_mtpflow_fused", None) is None and cpu_linear.active():
         fuse_projections(model)
-    b, q = input_ids.shape
-    taps = taps_of(need_hidden)
-    if layer is None and b == 1 and q == 1 and attention_mask is None and set(taps) <= {-1}:
-        out = native_row(model, input_ids, position_ids, cache, bool(taps))
-        if out is not None:
-            return out
     apply_rotary = sys.modules[type(inner.layers[0].self_attn).__module__].apply_rotary_pos_emb
     h = inner.embed_tokens(input_ids)
     cos, sin = inner.rotary_emb(h, position_ids=position_ids)
+    b, q = input_ids.shape
+    taps = taps_of(need_hidden)
     tapped = {}
     mask = attention_mask
     if mask is None and q > 1:  # every layer holds as many entries: one mask serves them all
@@ -250,13 +245,14 @@ class _RowSpec:
         self.weights = (_pointers([b.input_layernorm.weight for b in layers]), qkv, o,
                         _pointers([b.post_attention_layernorm.weight for b in layers]), gu, down)
         self._kv = (None, None, None)  # (the pool's key list, key pointers, value pointers)
+        self._panels = None  # (the weights' versions, the panel pointer arrays)
 
     def ready(self, rows: int) -> bool:
         """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native."""
         plans = self.probe._mtpflow_row_paths
         if plans[cpu_linear._BUCKET_OF[rows] if rows < len(cpu_linear._BUCKET_OF) else -1] != "native":
             return False
-        for attrs, params, ptr in self.watched:  # read directly: 0.3 ms per forward through the modules' getattr
+        for attrs, params, ptr in self.watched:  # the dicts read directly, not through nn.Module's getattr
             if params["weight"].data_ptr() != ptr or attrs.get("_mtpflow_int8") is not None:
                 return False
         return True
@@ -266,7 +262,12 @@ class _RowSpec:
         from ``native_linear.PANEL_MIN_ROWS`` rows, else NULLs."""
         if rows < native_linear.PANEL_MIN_ROWS:
             return (None,) * 4
-        return tuple(_pointers([m._panels() for m in ms]) for ms in self.linears)
+        # rebuilt only when a weight changed in place (its version; a replaced weight fails ``ready``): asking
+        # every linear for its panels took 0.4-0.5 ms, on every batched step
+        versions = tuple(m._parameters["weight"]._version for ms in self.linears for m in ms)
+        if self._panels is None or self._panels[0] != versions:
+            self._panels = (versions, tuple(_pointers([m._panels() for m in ms]) for ms in self.linears))
+        return self._panels[1]
 
     def kv(self, pool):
         """Pointer arrays to every layer's key and value buffer (rebuilt when the pool grows)."""
@@ -312,9 +313,11 @@ def _row_spec(model) -> _RowSpec | None:
 
 
 def _native(model, rows: int):
-    """(the kernels, the model's spec) where ``rows`` new tokens may go through ``mtpflow_llama_rows``, else None."""
-    if not cpu_linear.active() or not getattr(model, "_mtpflow_fused", None) \
-            or os.environ.get("MTPFLOW_NATIVE_ROW", "1") == "0":
+    """(the kernels, the model's spec) where ``rows`` new tokens may go through ``mtpflow_llama_rows``, else None:
+    outside ``cpu_linear.packed()``, no native kernels, ``MTPFLOW_NATIVE_ROW=0``, a model ``_row_spec`` turns
+    down, or a plan for that many rows that is not native."""
+    if not cpu_linear.active() or not native_linear.rows_enabled() or not supports(model) \
+            or not getattr(model, "_mtpflow_fused", None):
         return None
     lib = native_linear.library()
     spec = _row_spec(model) if lib is not None else None
@@ -326,9 +329,7 @@ def _native(model, rows: int):
 def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first, count, allowed):
     """``mtpflow_llama_rows`` over the rows described (lists of ints, one entry per row; ``allowed`` a uint8
     [rows, qmax] tensor): returns the LM head's logits [1, rows, vocab] and the normed last hidden states."""
-    pool.ensure(max(w + 1 for w in wpos))
-    if pool.dtype != torch.float32 or pool.device.type != "cpu":
-        return None
+    pool.ensure(max(w + 1 for w in wpos))  # the pool has the weights' dtype and device: float32, CPU (_row_spec)
     keys, values = spec.kv(pool)
     inner = model.model
     h = inner.embed_tokens(ids).contiguous()
@@ -344,50 +345,20 @@ def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first
     return model.lm_head(normed), normed
 
 
-_ONE = torch.ones(1, 1, dtype=torch.uint8)
-
-
-def native_row(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, need_hidden: bool):
-    """``forward`` for one new token of one sequence through ``mtpflow_llama_rows`` (every layer in one native
-    call; the LM head is the model's own linear), or None where it does not apply: outside ``cpu_linear.packed()``,
-    no native kernels, a model ``_row_spec`` turns down, a one-row plan that is not native, another cache than
-    the pool's views (a ``SlotCache``; a ``BatchCache`` of one sequence), or ``MTPFLOW_NATIVE_ROW=0``."""
-    native = _native(model, 1)
-    if native is None:
-        return None
-    if isinstance(cache, kv_cache.SlotCache):
-        pool, slot, pos = cache.seq.pool, cache.seq.slot, cache.layers[0].length
-        if cache.layers[-1].length != pos:
-            return None
-    elif isinstance(cache, kv_cache.BatchCache) and cache.query_length == 1 and cache.row_index.numel() == 1:
-        pool, slot, pos = cache.pool, 0, cache.kv_length - 1
-    else:
-        return None
-    out = _run_rows(model, *native, pool, input_ids, position_ids, [slot], [pos], [pos], [0], [1], _ONE)
-    if out is None:
-        return None
-    if isinstance(cache, kv_cache.SlotCache):
-        for layer in cache.layers:
-            layer.length = pos + 1
-    logits, normed = out
-    return logits, (normed if need_hidden else None)
-
-
 def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[torch.Tensor],
                 positions: list[torch.Tensor], allowed: list[torch.Tensor]):
-    """The engine's batched verify (``target.verify_batch``) through ``mtpflow_llama_rows``: sequence i (pool slot
-    ``slots[i]``, ``lengths[i]`` entries) feeds ``ids[i]`` at rope ``positions[i]``, written at its length on, row j
-    seeing its prefix and the new entries ``allowed[i][j]`` marks. Only real rows are computed (no padding).
-    Returns (logits [rows, vocab], normed hidden [rows, hidden], each sequence's first row), or None where it
-    does not apply (see ``native_row``; the rows' plan must be native too)."""
+    """A verify forward (``target.verify_batch``, ``Target.verify``) through ``mtpflow_llama_rows``: sequence i
+    (pool slot ``slots[i]``, ``lengths[i]`` entries) feeds ``ids[i]`` at rope ``positions[i]``, written at its
+    length on, row j seeing its prefix and the new entries ``allowed[i][j]`` marks. Only real rows are computed
+    (no padding). Returns (logits [rows, vocab], normed hidden [rows, hidden], each sequence's first row), or
+    None where it does not apply (``_native``)."""
     counts = [int(t.numel()) for t in ids]
     m = sum(counts)
     native = _native(model, m)
     if native is None:
         return None
-    qmax = max(counts)
-    mask = torch.zeros(m, qmax, dtype=torch.uint8)
-    row_slots, wpos, prefix, first, count = [], [], [], [], []
+    mask = torch.zeros(m, max(counts), dtype=torch.uint8)
+    row_slots, wpos, prefix, first, count, starts = [], [], [], [], [], []
     start = 0
     for slot, length, n, a in zip(slots, lengths, counts, allowed):
         mask[start:start + n, :n] = a
@@ -396,13 +367,11 @@ def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[tor
         prefix += [length] * n
         first += [start] * n
         count += [n] * n
+        starts.append(start)
         start += n
-    out = _run_rows(model, *native, pool, torch.cat(ids)[None], torch.cat(positions)[None], row_slots, wpos,
-                    prefix, first, count, mask)
-    if out is None:
-        return None
-    logits, normed = out
-    return logits[0], normed[0], [f for f, j in zip(first, range(m)) if j == f]
+    logits, normed = _run_rows(model, *native, pool, torch.cat(ids)[None], torch.cat(positions)[None], row_slots,
+                               wpos, prefix, first, count, mask)
+    return logits[0], normed[0], starts
 
 
 def grouped_attention(query, key, value, mask, scale: float) -> torch.Tensor:
@@ -442,12 +411,7 @@ def run(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_ma
         if getattr(model, "_mtpflow_compiled", None) is not None:
             from mtpflow import compiled
 
-            taps = taps_of(need_hidden)
-            out = None
-            if input_ids.shape[0] == 1 and input_ids.shape[1] == 1 and attention_mask is None and set(taps) <= {-1}:
-                out = native_row(model, input_ids, position_ids, cache, bool(taps))  # faster than the graph
-            if out is None:
-                out = compiled.run(model, input_ids, position_ids, attention_mask, cache, taps)
+            out = compiled.run(model, input_ids, position_ids, attention_mask, cache, taps_of(need_hidden))
             if out is not None:
                 return out
         return forward(model, input_ids, position_ids, attention_mask, cache, need_hidden, logits_to_keep)

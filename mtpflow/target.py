@@ -125,11 +125,10 @@ class Target:
     def verify(self, root: int, draft: Draft, root_position: int) -> Verification:
         """One forward of this sequence alone over the root and every draft node; chains use the causal mask."""
         t0 = time.perf_counter()
+        done = _verify_native(self.model, [self], [root], [draft], [root_position], t0)
+        if done is not None:
+            return done[0]
         ids = torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens])
-        if set(self.taps) <= {-1} and lean_forward.supports(self.model) and self.pool.device.type == "cpu":
-            done = _verify_native(self.model, [self], [root], [draft], [root_position], [int(ids.numel())], t0)
-            if done is not None:
-                return done[0]
         if draft.num_nodes == 0 or draft.is_chain:
             positions = torch.arange(root_position, root_position + ids.numel())
             mask = None
@@ -186,12 +185,10 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
     pool = targets[0].pool
     rows = pool.used
     by_slot = {t.kv.slot: i for i, t in enumerate(targets)}
+    done = _verify_native(model, targets, roots, drafts, root_positions, t0)
+    if done is not None:
+        return done
     sizes = [1 + d.num_nodes for d in drafts]
-    taps = tuple(sorted({t for target in targets for t in target.taps}))
-    if set(taps) <= {-1} and lean_forward.supports(model):
-        done = _verify_native(model, targets, roots, drafts, root_positions, sizes, t0)
-        if done is not None:
-            return done
     q = max(sizes)
     lengths = [owner.length for owner in pool.owners]
     cache = BatchCache(pool, lengths, q)
@@ -215,12 +212,10 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
         base = root_positions[i] - target.position_shift
         positions[slot] = base
         positions[slot, 1:n] = base + draft.depths()
-    # one sequence, one row: it sees its whole cache and itself, which is what no mask means
-    mask = None if rows == 1 and q == 1 else \
-        torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
+    mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=dtype).masked_fill_(~allowed[:, None], blocked)
     device = targets[0].device
-    mask = None if mask is None else mask.to(device)
-    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask, cache,
+    taps = tuple(sorted({t for target in targets for t in target.taps}))
+    logits, hidden = lean_forward.run(model, input_ids.to(device), positions.to(device), mask.to(device), cache,
                                       taps)
     seconds = time.perf_counter() - t0
     logits = logits.float()
@@ -235,28 +230,35 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
     return results
 
 
-def _verify_native(model, targets, roots, drafts, root_positions, sizes, t0) -> list[Verification] | None:
-    """``verify_batch`` through ``mtpflow.forward.native_rows`` (every layer in one native call, only the real
-    rows), or None where it does not apply."""
+def _verify_native(model, targets, roots, drafts, root_positions, t0) -> list[Verification] | None:
+    """A verify forward through ``mtpflow.forward.native_rows`` (every layer in one native call, only the real
+    rows), or None where it does not apply (a sequence wants hidden states other than the last, or the model,
+    the plan or the machine does not allow it: ``forward._native``)."""
+    if any(set(t.taps) - {-1} for t in targets):
+        return None
     ids, positions, allowed = [], [], []
-    for target, root, draft, root_position, n in zip(targets, roots, drafts, root_positions, sizes):
+    for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
         ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
         base = root_position - target.position_shift
-        positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()]) if n > 1
-                         else torch.tensor([base], dtype=torch.long))
-        allowed.append(tree_allowed(draft.parents) if n > 1 else torch.ones(1, 1, dtype=torch.bool))
+        if draft.num_nodes:
+            positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()]))
+            allowed.append(tree_allowed(draft.parents))
+        else:
+            positions.append(torch.tensor([base], dtype=torch.long))
+            allowed.append(torch.ones(1, 1, dtype=torch.bool))
     out = lean_forward.native_rows(model, targets[0].pool, [t.kv.slot for t in targets],
                                    [t.kv.length for t in targets], ids, positions, allowed)
     if out is None:
         return None
-    logits, hidden, firsts = out
+    logits, hidden, starts = out
     seconds = time.perf_counter() - t0
     results = []
-    for target, n, first in zip(targets, sizes, firsts):
+    for target, tokens, start in zip(targets, ids, starts):
+        n = int(tokens.numel())
         target.kv.length += n
         target.forwards += 1
-        h = hidden[first:first + n] if target.taps else None
-        results.append(Verification(logits=logits[first:first + n].float(), hidden=h, forward_seconds=seconds))
+        h = hidden[start:start + n] if target.taps else None
+        results.append(Verification(logits=logits[start:start + n].float(), hidden=h, forward_seconds=seconds))
     return results
 
 

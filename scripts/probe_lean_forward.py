@@ -1,14 +1,17 @@
-"""The lean Llama forward (mtpflow/forward.py) against the model's own forward, in one process, interleaved.
+"""One verify-forward path against another, in one process, interleaved.
 
-    python scripts/probe_lean_forward.py          # one sequence, one-row steps
-    python scripts/probe_lean_forward.py 16       # 16 sequences in one batched step
-    python scripts/probe_lean_forward.py 1 row    # one-row steps through mtpflow_llama_row against the lean
-                                                  # forward's layers (MTPFLOW_NATIVE_ROW=1 / 0)
+    python scripts/probe_lean_forward.py              # lean forward vs HF's forward, one sequence, one-row steps
+    python scripts/probe_lean_forward.py 16           # ... 16 sequences in one batched step
+    python scripts/probe_lean_forward.py 1 row        # mtpflow_llama_rows vs the lean forward's layers
+                                                      #   (MTPFLOW_NATIVE_ROW=1 / 0)
+    python scripts/probe_lean_forward.py 16 fused     # fused q/k/v and gate/up products vs the parts apart
+    python scripts/probe_lean_forward.py 1 fused 9    # one sequence verifying 9 rows (root + an 8-token chain)
+    python scripts/probe_lean_forward.py 16 fused 1 native,native,native,native,native,packed,packed   # plans
 
-Each sequence holds a 120-token random prompt in the engine's KV pool; a step is one verify forward with no
-draft (K = 0), rolled back after timing. Six rounds of 15 steps each way (after 3 warm-up steps), switching
-the path with the model's cached ``supports`` flag (with ``row``: the ``MTPFLOW_NATIVE_ROW`` switch, read per
-forward); prints the median and 25th percentile per path.
+``lean`` and ``fused`` run with ``MTPFLOW_NATIVE_ROW=0`` (they compare ways of running the layers in Python). Each
+sequence holds a 120-token random prompt in the engine's KV pool; a step is one verify forward (through
+``verify_batch``, as the engine runs it), rolled back after timing. Six rounds of 15 steps each way (after 3
+warm-up steps); prints the median and 25th percentile per way.
 """
 from __future__ import annotations
 
@@ -25,44 +28,60 @@ from mtpflow.kernels.dispatch import use_backend
 from mtpflow.target import Target, verify_batch
 from mtpflow.types import Draft
 
+NAMES = {"lean": ("lean forward", "HF forward"), "row": ("native rows", "lean layers"), "fused": ("fused", "apart")}
 
-def main(batch: int = 1, what: str = "lean", rounds: int = 6, steps: int = 15) -> None:
+
+def switch(model, what: str, on: bool, ready=cpu_linear.FusedLinear.ready) -> None:
+    """Turn path ``what`` on or off for the next steps."""
+    if what == "lean":
+        model._mtpflow_lean = on  # the flag mtpflow.forward.supports caches
+    elif what == "row":
+        os.environ["MTPFLOW_NATIVE_ROW"] = "1" if on else "0"  # read per forward
+    else:
+        cpu_linear.FusedLinear.ready = ready if on else (lambda self: False)
+
+
+def main(batch: int = 1, what: str = "lean", rows: int = 1, plans: str | None = None, rounds: int = 6,
+         steps: int = 15) -> None:
+    if what != "row":  # the lean forward's layers in Python, where the fused products and HF's forward differ
+        os.environ["MTPFLOW_NATIVE_ROW"] = "0"
     engine = Engine.from_overrides(["trace=off", f"max_batch_size={batch}"])
     model = engine.loaded.model
+    if plans:
+        cpu_linear.apply_plans(model, tuple(plans.split(",")))
     g = torch.Generator().manual_seed(0)
     times: dict[bool, list[float]] = {True: [], False: []}
     with use_backend("auto"), cpu_linear.packed(engine.packed_linear), torch.inference_mode():
         targets = [Target(model, pool=engine.pool) for _ in range(batch)]
         for t in targets:
             t.prefill(torch.randint(100, 40000, (120,), generator=g))
-        empty = Draft(tokens=torch.zeros(0, dtype=torch.long), parents=torch.zeros(0, dtype=torch.long))
+        draft = Draft.chain(torch.randint(100, 40000, (rows - 1,), generator=g))
         lengths = [t.cache_len for t in targets]
 
         def step():
-            if batch == 1:
-                targets[0].verify(5, empty, lengths[0])
-            else:
-                verify_batch(model, targets, [5] * batch, [empty] * batch, lengths)
+            verify_batch(model, targets, [5] * batch, [draft] * batch, lengths)
             for t, n in zip(targets, lengths):
                 t.cache_len = n
 
-        for _ in range(rounds):
-            for lean in (True, False):
-                if what == "row":
-                    os.environ["MTPFLOW_NATIVE_ROW"] = "1" if lean else "0"
-                else:
-                    model._mtpflow_lean = lean  # the flag mtpflow.forward.supports caches
-                for _ in range(3):
-                    step()
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    step()
-                    times[lean].append(time.perf_counter() - t0)
-    for lean, v in times.items():
-        name = ("native row  " if lean else "lean layers ") if what == "row" else ("lean forward" if lean else "HF forward  ")
-        print(f"batch {batch}, {name}: median {1e3 * statistics.median(v):.2f} ms, "
-              f"p25 {1e3 * sorted(v)[len(v) // 4]:.2f} ms")
+        try:
+            for _ in range(rounds):
+                for on in (True, False):
+                    switch(model, what, on)
+                    for _ in range(3):
+                        step()
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        step()
+                        times[on].append(time.perf_counter() - t0)
+        finally:
+            switch(model, what, True)
+    print(f"plans {model._mtpflow_linear_plans}, fused products {getattr(model, '_mtpflow_fused', 0)}")
+    for on, v in times.items():
+        print(f"batch {batch}, {rows} row(s) per sequence, {NAMES[what][0 if on else 1]}: median "
+              f"{1e3 * statistics.median(v):.2f} ms, p25 {1e3 * sorted(v)[len(v) // 4]:.2f} ms")
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1, sys.argv[2] if len(sys.argv) > 2 else "lean")
+    args = sys.argv[1:]
+    main(int(args[0]) if args else 1, args[1] if len(args) > 1 else "lean",
+         int(args[2]) if len(args) > 2 else 1, args[3] if len(args) > 3 else None)

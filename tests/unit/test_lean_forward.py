@@ -233,7 +233,7 @@ def _native_model(**config):
 
 
 def _count_runs(monkeypatch, name: str) -> list:
-    """Records every call of ``lean.<name>`` (``native_row`` / ``native_rows``) that ran rather than declined."""
+    """Records every call of ``lean.<name>`` that ran rather than declined (returned something)."""
     ran, real = [], getattr(lean, name)
 
     def counting(*args, **kwargs):
@@ -247,54 +247,48 @@ def _count_runs(monkeypatch, name: str) -> list:
 
 
 @pytest.mark.parametrize("context", [11, 300])  # 300: attention over more than 128 entries runs on threads
-def test_native_row_computes_what_the_lean_forward_computes(context, monkeypatch):
+def test_native_rows_verify_one_sequence_as_the_lean_forward_does(context, monkeypatch):
+    """A sequence's own verify (``Target.verify``) through mtpflow_llama_rows: plain steps and a chain give the
+    logits, hidden states, KV entries and length the lean forward's layers give."""
     from mtpflow.kernels import cpu_linear
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
 
     model = _native_model()
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(1, 96, (1, context), generator=g)
-    ran = _count_runs(monkeypatch, "native_row")
+    prompt = torch.randint(1, 96, (context,), generator=torch.Generator().manual_seed(2))
+    ran = _count_runs(monkeypatch, "native_rows")
 
     def run(native: bool):
         monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "1" if native else "0")
-        pool = KVPool(model, max_slots=1)
-        seq = SequenceKV(pool)
-        outs = []
         with cpu_linear.packed(), torch.inference_mode():
-            cache = seq.view()
-            lean.forward(model, prompt, torch.arange(context)[None], None, cache)
-            for step, token in enumerate((5, 17, 42)):  # three one-row steps through the sequence's own view
-                seq.length = cache.layers[0].length
-                cache = seq.view()
-                outs.append(lean.forward(model, torch.tensor([[token]]), torch.tensor([[context + step]]), None,
-                                         cache, True))
-            seq.length = cache.layers[0].length
-            batch = BatchCache(pool, [seq.length], 1)  # and one through a batch of this one sequence
-            outs.append(lean.forward(model, torch.tensor([[9]]), torch.tensor([[seq.length]]), None, batch, True))
-            n = seq.length + 1
-            return outs, pool.keys[1][0, :, :n].clone(), pool.values[2][0, :, :n].clone(), cache.layers[-1].length
+            target = Target(model, need_hidden=True)
+            target.prefill(prompt)
+            outs = [target.verify(token, Draft.chain([]), context + step) for step, token in enumerate((5, 17, 42))]
+            outs.append(target.verify(9, Draft.chain([3, 4, 5]), context + 3))
+            n = target.cache_len
+            return outs, target.pool.keys[1][0, :, :n].clone(), target.pool.values[2][0, :, :n].clone(), n
 
     mine, keys, values, length = run(True)
     assert len(ran) == 4
     theirs, keys_ref, values_ref, length_ref = run(False)
-    assert length == length_ref == context + 3
-    for (la, ha), (lb, hb) in zip(mine, theirs):
-        torch.testing.assert_close(la, lb, rtol=1e-5, atol=1e-5)  # another summation order, not other numbers
-        torch.testing.assert_close(ha, hb, rtol=1e-5, atol=1e-5)
+    assert length == length_ref == context + 7
+    for a, b in zip(mine, theirs):
+        torch.testing.assert_close(a.logits, b.logits, rtol=1e-5, atol=1e-5)  # another summation order only
+        torch.testing.assert_close(a.hidden, b.hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(keys, keys_ref, rtol=1e-5, atol=1e-5)  # the new entries written into the pool
     torch.testing.assert_close(values, values_ref, rtol=1e-5, atol=1e-5)
 
 
-def test_native_row_declines_what_it_does_not_compute(monkeypatch):
+def test_native_rows_decline_what_they_do_not_compute(monkeypatch):
     from mtpflow.kernels import cpu_linear
 
-    ids, positions = torch.tensor([[5]]), torch.tensor([[0]])
-
     def ran_on(model) -> bool:
-        seq = SequenceKV(KVPool(model, max_slots=1))
+        pool = KVPool(model, max_slots=1)
+        seq = SequenceKV(pool)
         with cpu_linear.packed(), torch.inference_mode():
             lean.fuse_projections(model)
-            return lean.native_row(model, ids, positions, seq.view(), False) is not None
+            return lean.native_rows(model, pool, [seq.slot], [0], [torch.tensor([5])], [torch.tensor([0])],
+                                    [torch.ones(1, 1, dtype=torch.bool)]) is not None
 
     assert ran_on(_native_model())
     assert not ran_on(_native_model(hidden_act="gelu"))  # another activation (the spec is built once, at first use)
@@ -369,3 +363,28 @@ def test_native_rows_verify_a_batch_as_the_lean_forward_does(drafted, monkeypatc
     for slot, n in enumerate(lengths):  # every slot's valid entries (the padded path writes padding past them)
         for a, b in zip(keys + values, keys_ref + values_ref):
             torch.testing.assert_close(a[slot, :, :n], b[slot, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_native_rows_follow_a_weight_changed_in_place(monkeypatch):
+    """The panel copies (9 rows and up) are rebuilt when a weight changes in place, as the native linear's are."""
+    from mtpflow.kernels import cpu_linear
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
+
+    model = _native_model()
+    chain = Draft.chain([3, 4, 5, 6, 7, 8, 9, 10])  # 9 rows: the panel products
+
+    def logits(native: bool):
+        monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "1" if native else "0")
+        with cpu_linear.packed(), torch.inference_mode():
+            target = Target(model)
+            target.prefill(torch.arange(1, 12))
+            return target.verify(5, chain, 11).logits
+
+    before = logits(True)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(-2.0)
+        model.model.layers[0].self_attn.q_proj.weight.mul_(0.5)  # a part of a fused product: a view
+    after = logits(True)
+    assert not torch.allclose(before, after, atol=1e-3)
+    torch.testing.assert_close(after, logits(False), rtol=1e-5, atol=1e-5)
