@@ -36,12 +36,13 @@ def compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def build(cc: str, out: Path, flags: tuple[str, ...] = FLAGS) -> bool:
-    """Compile SOURCE into the shared library ``out``; False when the compiler fails."""
+def build(cc: str, out: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> bool:
+    """Compile ``source`` (SOURCE, or another version of it to compare) into the shared library ``out``; False
+    when the compiler fails."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".tmp{os.getpid()}.so")
     try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp)], capture_output=True, timeout=120)
+        done = subprocess.run([cc, *flags, str(source), "-o", str(tmp)], capture_output=True, timeout=120)
         if done.returncode != 0:
             return False
         tmp.replace(out)  # atomic: a concurrent process loads a whole library or builds its own

@@ -4,6 +4,9 @@
     python scripts/probe_lean_forward.py 16           # ... 16 sequences in one batched step
     python scripts/probe_lean_forward.py 1 row        # mtpflow_llama_rows vs the lean forward's layers
                                                       #   (MTPFLOW_NATIVE_ROW=1 / 0)
+    MTPFLOW_PROBE_SOURCE=old.c python scripts/probe_lean_forward.py 1 kernel
+                                                      # this checkout's small_gemm.c vs another version of it
+                                                      #   (e.g. git show HEAD~1:kernels/small_gemm.c > old.c)
     python scripts/probe_lean_forward.py 16 fused     # fused q/k/v and gate/up products vs the parts apart
     python scripts/probe_lean_forward.py 1 fused 9    # one sequence verifying 9 rows (root + an 8-token chain)
     python scripts/probe_lean_forward.py 16 fused 1 native,native,native,native,native,packed,packed   # plans
@@ -23,17 +26,31 @@ import time
 import torch
 
 from mtpflow.engine import Engine
-from mtpflow.kernels import cpu_linear
+from mtpflow.kernels import cpu_linear, native_linear
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.target import Target, verify_batch
 from mtpflow.types import Draft
 
-NAMES = {"lean": ("lean forward", "HF forward"), "row": ("native rows", "lean layers"), "fused": ("fused", "apart")}
+NAMES = {"lean": ("lean forward", "HF forward"), "row": ("native rows", "lean layers"), "fused": ("fused", "apart"),
+         "kernel": ("this small_gemm.c", "MTPFLOW_PROBE_SOURCE")}
 
 
-def switch(model, what: str, on: bool, ready=cpu_linear.FusedLinear.ready) -> None:
+def other_build():
+    """The kernels built from MTPFLOW_PROBE_SOURCE (``kernel``: another version of small_gemm.c)."""
+    import tempfile
+    from pathlib import Path
+
+    out = Path(tempfile.mkdtemp()) / "other.so"
+    if not native_linear.build(native_linear.compiler(), out, source=Path(os.environ["MTPFLOW_PROBE_SOURCE"])):
+        raise SystemExit("cannot build MTPFLOW_PROBE_SOURCE")
+    return native_linear.load(out)
+
+
+def switch(model, what: str, on: bool, ready=cpu_linear.FusedLinear.ready, libs=None) -> None:
     """Turn path ``what`` on or off for the next steps."""
-    if what == "lean":
+    if what == "kernel":  # forward.native_rows and the LM head's native linear look the library up per call
+        native_linear.library = libs[0] if on else libs[1]
+    elif what == "lean":
         model._mtpflow_lean = on  # the flag mtpflow.forward.supports caches
     elif what == "row":
         os.environ["MTPFLOW_NATIVE_ROW"] = "1" if on else "0"  # read per forward
@@ -43,7 +60,11 @@ def switch(model, what: str, on: bool, ready=cpu_linear.FusedLinear.ready) -> No
 
 def main(batch: int = 1, what: str = "lean", rows: int = 1, plans: str | None = None, rounds: int = 6,
          steps: int = 15) -> None:
-    if what != "row":  # the lean forward's layers in Python, where the fused products and HF's forward differ
+    libs = None
+    if what == "kernel":
+        this, other = native_linear.library(), other_build()
+        libs = (lambda: this, lambda: other)
+    elif what != "row":  # the lean forward's layers in Python, where the fused products and HF's forward differ
         os.environ["MTPFLOW_NATIVE_ROW"] = "0"
     engine = Engine.from_overrides(["trace=off", f"max_batch_size={batch}"])
     model = engine.loaded.model
@@ -66,7 +87,7 @@ def main(batch: int = 1, what: str = "lean", rows: int = 1, plans: str | None = 
         try:
             for _ in range(rounds):
                 for on in (True, False):
-                    switch(model, what, on)
+                    switch(model, what, on, libs=libs)
                     for _ in range(3):
                         step()
                     for _ in range(steps):
@@ -74,7 +95,7 @@ def main(batch: int = 1, what: str = "lean", rows: int = 1, plans: str | None = 
                         step()
                         times[on].append(time.perf_counter() - t0)
         finally:
-            switch(model, what, True)
+            switch(model, what, True, libs=libs)
     print(f"plans {model._mtpflow_linear_plans}, fused products {getattr(model, '_mtpflow_fused', 0)}")
     for on, v in times.items():
         print(f"batch {batch}, {rows} row(s) per sequence, {NAMES[what][0 if on else 1]}: median "

@@ -21,7 +21,7 @@ def fresh_library(monkeypatch, tmp_path):
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 17])
 @pytest.mark.parametrize("shape", [(1, 1), (5, 17), (97, 48), (130, 576)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_both_kernels_match_f_linear(rows, shape, bias):
@@ -37,7 +37,8 @@ def test_both_kernels_match_f_linear(rows, shape, bias):
 
 @needs_native
 def test_the_avx2_build_matches_f_linear(tmp_path):
-    """The 8-float build (CPUs without AVX-512) has its own block sizes; built here with AVX-512 turned off."""
+    """The 8-float build (CPUs without AVX-512) has its own block sizes and takes 1-3 rows one weight row at a
+    time; built here with AVX-512 turned off."""
     cc = native_linear.compiler()
     out = tmp_path / "avx2.so"
     if not native_linear.build(cc, out, (*native_linear.FLAGS, "-mno-avx512f")):
@@ -46,7 +47,7 @@ def test_the_avx2_build_matches_f_linear(tmp_path):
     assert lib.mtpflow_vector_width() == 8  # really the 8-float code path
     torch.manual_seed(0)
     for rows in (1, 2, 3, 6, 13):
-        for out_f, in_f in ((5, 17), (130, 576)):
+        for out_f, in_f in ((5, 17), (130, 576), (33, 1544)):
             x, w, b = torch.randn(rows, in_f), torch.randn(out_f, in_f), torch.randn(out_f)
             ref = F.linear(x, w, b)
             tol = dict(rtol=1e-4, atol=1e-4 * in_f ** 0.5)
