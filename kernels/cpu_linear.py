@@ -149,7 +149,7 @@ class PackedLinear(torch.nn.Linear):
                 return y if self.bias is None else y + self.bias
             return F.linear(x, self.weight, self.bias)
         if path == "native":
-            panels = self._panels() if rows >= native_linear.PANEL_MIN_ROWS else None
+            panels = self._panels() if rows >= native_linear.panel_min_rows() else None
             return native_linear.linear(x, self.weight, self.bias, panels)
         rows = x.reshape(-1, x.shape[-1])
         if not rows.is_contiguous():

@@ -3,9 +3,9 @@
 Why: on a CPU a verify forward of 1 + K rows is bound by reading the weights, yet MKL's and oneDNN's
 float32 paths for 2 to 17 rows read them far slower than for one row (on the 2-core Intel Xeon this was
 built on, whole-model forwards of SmolLM2-135M, fastest of 7, best of MKL / oneDNN vs these kernels: 5 rows
-49 vs 36 ms, 9 rows 54 vs 47 ms, 17 rows 97 vs 76 ms; one row about 33 ms). Up to ``PANEL_MIN_ROWS - 1``
+49 vs 36 ms, 9 rows 54 vs 47 ms, 17 rows 97 vs 76 ms; one row about 33 ms). Up to ``panel_min_rows() - 1``
 rows the kernel reads each weight row once for all input rows and prefetches the next rows while it
-computes; from ``PANEL_MIN_ROWS`` rows, where arithmetic starts to show, a second kernel runs over a copy of
+computes; from ``panel_min_rows()`` rows (6 on AVX-512, 3 on AVX2), a second kernel runs over a copy of
 the weight laid out in panels (``pack_panels``, built on first use by the caller); see the C file for how.
 
 How: the C source ships in the package and is compiled on first use with the system C compiler
@@ -28,7 +28,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 PANEL = 64  # output features per panel (small_gemm.c)
-PANEL_MIN_ROWS = 6  # from this many rows ``linear`` takes the panel kernel when given panels
+PANEL_MIN_ROWS = 6  # from this many rows ``linear`` takes the panel kernel when given panels (AVX-512 builds)
+PANEL_MIN_ROWS_AVX2 = 3  # ... on builds with 8-float vectors
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -110,6 +111,16 @@ def available() -> bool:
     return library() is not None
 
 
+@functools.lru_cache(maxsize=None)
+def panel_min_rows(lib: ctypes.CDLL | None = None) -> int:
+    """From how many rows the panel kernel runs (where the caller has panels). AVX-512 builds: 6 (their 4 x 6
+    row blocks win below). 8-float builds (AVX2): 3; measured on a 2-core AVX2 EPYC, whole verify steps of the
+    default model with 3 / 4 / 5 rows took 35.1 / 35.9 / 40.5 ms through panels against 39.1 / 40.1 / 44.5
+    through the 4 x 2 row blocks (one process, interleaved), and 1-2 rows go one weight row at a time."""
+    lib = library() if lib is None else lib
+    return PANEL_MIN_ROWS_AVX2 if lib is not None and lib.mtpflow_vector_width() == 8 else PANEL_MIN_ROWS
+
+
 def rows_enabled() -> bool:
     """Whether verify forwards may go through ``mtpflow_llama_rows`` (``mtpflow.forward.native_rows``): the
     kernels build here and ``MTPFLOW_NATIVE_ROW`` is not ``0``; read per forward, so a process can switch."""
@@ -140,14 +151,14 @@ def _operands(x: torch.Tensor, bias: torch.Tensor | None, n: int):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            panels: torch.Tensor | None = None, lib: ctypes.CDLL | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for float32 CPU tensors through the native kernels (x: ``(..., in)``);
-    with ``panels`` (``pack_panels(weight)``) and at least PANEL_MIN_ROWS rows, the panel kernel. Callers
+    with ``panels`` (``pack_panels(weight)``) and at least ``panel_min_rows()`` rows, the panel kernel. Callers
     check ``available()`` first. Called for every linear of a verify forward (211 per forward of the default
     model), so it allocates the output in its final shape and does nothing it can skip."""
     if not weight.is_contiguous():
         weight = weight.contiguous()
     x, bias_ptr, y, m, n, k = _operands(x, bias, weight.shape[0])
     lib = library() if lib is None else lib
-    if panels is not None and m >= PANEL_MIN_ROWS:
+    if panels is not None and m >= panel_min_rows(lib):
         lib.mtpflow_panel_gemm(x.data_ptr(), panels.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
                                torch.get_num_threads())
     else:

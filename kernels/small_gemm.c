@@ -135,12 +135,14 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
     }
 
 #if VW == 8
-/* ---- one weight row at a time for up to ONE_ROW_MAX input rows (AVX2 builds): the weight is read as one
+/* ---- one weight row at a time for 1 or 2 (ONE_ROW_MAX) input rows (AVX2 builds): the weight is read as one
  * sequential stream per thread, which this host's prefetchers follow better than the 4 strided rows of a
- * block: measured on a 2-core AVX2 EPYC, a whole SmolLM2 layer stack's products took 13.1 ms for one row
- * against 16.4 with 4 x 2 blocks (the 49152-row LM head 3.3 vs 4.4 ms); from 4 rows the blocks win again.
- * AVX-512 builds keep the blocks (not measured there). */
-#define ONE_ROW_MAX 3
+ * block. Measured on a 2-core AVX2 EPYC (the default model's 30 layers of products, best of 7, two runs):
+ * one row 9.8-13.5 ms against 16.4-16.8 with 4 x 2 blocks, two rows 10.7-12.3 against 17.2-17.9, the
+ * 49152-row LM head 2.2-3.4 against 4.3-4.4; three rows 22 against 19 (more streams of input rows than the
+ * loop hides), and from 3 rows the panel kernel is faster still (native_linear.panel_min_rows). AVX-512 builds
+ * keep the blocks (not measured there). */
+#define ONE_ROW_MAX 2
 #if defined(__FMA__) && defined(__AVX2__)  /* immintrin.h is included above for AVX2 */
 static inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a); }
 #else
@@ -183,7 +185,6 @@ void mtpflow_small_gemm(const float *x, const float *w, const float *b, float *y
 #pragma omp parallel for schedule(static) num_threads(threads)
         for (int n = 0; n < N; n++) {
             switch (M) {
-                case 3: one_row(x, w, b, y, N, K, n, 3); break;
                 case 2: one_row(x, w, b, y, N, K, n, 2); break;
                 default: one_row(x, w, b, y, N, K, n, 1); break;
             }
@@ -284,7 +285,7 @@ void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, flo
  * the last layer's output out; normed: [M][H] its final norm. Per layer l (arrays of L pointers): ln1/ln2 [H]
  * norm weights, wqkv [(nh + 2 nkv) d x H], wo [H x nh d], wgu [2 I x H] (gate rows, then up rows), wd [H x I];
  * pqkv, po, pgu, pd their panel copies (native_linear.pack_panels), or NULL for the row kernel (the caller
- * passes them from PANEL_MIN_ROWS rows, as the native linear does); kc, vc the whole key / value buffer,
+ * passes them from native_linear.panel_min_rows() rows, as the native linear does); kc, vc the whole key / value buffer,
  * [slots][nkv][cap][d]. cos, sin: [M][d] at each row's position. */
 #include <math.h>
 #include <stdlib.h>

@@ -259,8 +259,8 @@ class _RowSpec:
 
     def panels(self, rows: int):
         """Pointer arrays to each product's panel copy (built on first use, as the native linear builds them)
-        from ``native_linear.PANEL_MIN_ROWS`` rows, else NULLs."""
-        if rows < native_linear.PANEL_MIN_ROWS:
+        from ``native_linear.panel_min_rows()`` rows, else NULLs."""
+        if rows < native_linear.panel_min_rows():
             return (None,) * 4
         # rebuilt only when a weight changed in place (its version; a replaced weight fails ``ready``): asking
         # every linear for its panels took 0.4-0.5 ms, on every batched step

@@ -107,13 +107,13 @@ def test_native_plan_routes_rows_to_the_right_kernel():
     cpu_linear.install(torch.nn.Sequential(layer), plans=("native",) * len(cpu_linear.ROW_BUCKETS))
     assert set(layer._mtpflow_row_paths) == {"native"}
     with torch.inference_mode(), cpu_linear.packed():
-        for rows in (2, 5):
+        for rows in range(1, native_linear.panel_min_rows()):
             x = torch.randn(1, rows, 48)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         assert layer._mtpflow_panels is None  # the row kernel needs no copy of the weight
         x = torch.randn(1, 9, 48)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert layer._mtpflow_panels is not None  # from PANEL_MIN_ROWS rows: the panel kernel
+        assert layer._mtpflow_panels is not None  # from panel_min_rows() rows: the panel kernel
         long = torch.randn(1, 40, 48)  # past the largest row bucket (a prefill): stock
         assert torch.equal(layer(long), F.linear(long, layer.weight, layer.bias))
         with torch.no_grad():
