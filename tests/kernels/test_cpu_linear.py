@@ -197,3 +197,15 @@ def test_a_model_whose_forward_cannot_be_timed_keeps_the_default_plans(tmp_path,
     monkeypatch.setattr(cpu_linear, "time_plans", fails)
     assert cpu_linear.load_plans(model) == cpu_linear.DEFAULT_PLANS
     assert not (tmp_path / "cpu_linear").exists()  # nothing cached: a later load tries again
+
+
+def test_the_one_row_choice_is_timed_only_where_one_row_takes_the_stock_path(monkeypatch):
+    timed = []
+    monkeypatch.setattr(cpu_linear, "one_row_transposed_is_faster", lambda layer: timed.append(layer) or True)
+    model = make_tiny_model(64, layers=2)
+    cpu_linear.install(model, plans=("native",) * len(cpu_linear.ROW_BUCKETS))
+    assert timed == [] or not native_linear.available()  # one row native: nothing to choose
+    cpu_linear.apply_plans(model, cpu_linear.DEFAULT_PLANS)  # one row stock: timed now, once
+    cpu_linear.apply_plans(model, cpu_linear.DEFAULT_PLANS)
+    assert len(timed) == 1
+    assert all(m._mtpflow_one_row_transposed for m in model.modules() if type(m) is cpu_linear.PackedLinear)
