@@ -390,18 +390,43 @@ def _native_version() -> str:
     return native_linear.source_hash()[:10] if native_linear.available() else ""
 
 
+# A native plan also lets a Llama-family model's verify forwards of up to 17 rows run every layer in one native
+# call (mtpflow.forward.native_rows), which the plan timing (the linears inside HF's forward) does not see: on
+# the 2-core AVX2 EPYC a 16-sequence step took 62.9 ms that way against 77.0 with the same products and the
+# layers in Python (one sequence: 24.3 against 35.7). So there the native plan's time counts x 0.85; at 17 rows
+# it had tied with oneDNN's (71.09 / 71.01 ms) and lost the whole batch its native forward.
+NATIVE_ROWS_CREDIT = 0.85
+
+
+def fastest_plans(ms: dict[int, dict[str, float]], rows_native: bool) -> tuple[str, ...]:
+    """The fastest plan per entry of ROW_BUCKETS from timings ``{rows: {plan: time}}``; where ``rows_native`` (the
+    model's verify forwards may run through ``mtpflow_llama_rows``) the native plan's time counts
+    x NATIVE_ROWS_CREDIT below the largest bucket (prefills, which run the layers in Python)."""
+    def cost(rows: int, plan: str) -> float:
+        credit = rows_native and plan == "native" and rows < ROW_BUCKETS[-1]
+        return ms[rows][plan] * (NATIVE_ROWS_CREDIT if credit else 1.0)
+
+    return tuple(min(ms[r], key=lambda plan: cost(r, plan)) for r in ROW_BUCKETS)
+
+
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
     """The fastest plan per entry of ROW_BUCKETS on this machine: read from the cache, else timed
     (``time_plans``, 13-30 s for the 135M default model on a 2-core CPU) and stored (a timing on a busy CPU is
     stored marked, and timed again by a later load on a quiet one: ``mtpflow.model.cached_timing``). Models too small for
     a timing to mean anything (under 4 MB of linear weights, cache-resident), and models whose plain forward
-    cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several)."""
+    cannot be timed, keep DEFAULT_PLANS (stock for one row, oneDNN packed for several). The choice from the times
+    is ``fastest_plans``."""
     if linear_bytes(model) < 4 << 20:
         return DEFAULT_PLANS
     from mtpflow.model import cached_timing
 
-    def parse(stored: dict):
-        plans = tuple(stored["plans"])
+    from mtpflow import forward
+
+    rows_native = native_linear.rows_enabled() and forward.supports(model)
+
+    def parse(stored: dict):  # the plans follow from the stored times, so a changed rule applies at once
+        ms = {int(r): {p: float(v) for p, v in by_plan.items()} for r, by_plan in stored["ms"].items()}
+        plans = fastest_plans(ms, rows_native) if set(ms) == set(ROW_BUCKETS) else ()
         return plans if len(plans) == len(ROW_BUCKETS) and all(p in available_plans() for p in plans) else None
 
     def measure():
@@ -413,7 +438,7 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
 
     def record(fastest: dict[tuple[int, str], float]):
         by_rows = {r: {p: v for (rows, p), v in fastest.items() if rows == r} for r in ROW_BUCKETS}
-        plans = tuple(min(by_rows[r], key=by_rows[r].get) for r in ROW_BUCKETS)
+        plans = fastest_plans(by_rows, rows_native)
         ms = {str(r): {p: round(1000 * v, 2) for p, v in by_rows[r].items()} for r in ROW_BUCKETS}
         return plans, {"plans": list(plans), "rows": list(ROW_BUCKETS), "ms": ms}
 

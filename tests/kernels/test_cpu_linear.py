@@ -209,3 +209,14 @@ def test_the_one_row_choice_is_timed_only_where_one_row_takes_the_stock_path(mon
     cpu_linear.apply_plans(model, cpu_linear.DEFAULT_PLANS)
     assert len(timed) == 1
     assert all(m._mtpflow_one_row_transposed for m in model.modules() if type(m) is cpu_linear.PackedLinear)
+
+
+def test_plans_credit_the_native_forward_where_it_applies():
+    """At 17 rows the 2-core AVX2 host timed native 71.09 ms and oneDNN 71.01: native wins where verify forwards
+    may run every layer natively (which the timing does not see), never in the prefill bucket."""
+    times = {"stock": 100.0, "packed": 71.01, "head": 90.0, "native": 71.09}
+    ms = {r: dict(times) for r in cpu_linear.ROW_BUCKETS}
+    assert cpu_linear.fastest_plans(ms, rows_native=False) == ("packed",) * len(cpu_linear.ROW_BUCKETS)
+    assert cpu_linear.fastest_plans(ms, rows_native=True) == ("native",) * (len(cpu_linear.ROW_BUCKETS) - 1) + ("packed",)
+    ms[17]["native"] = 90.0  # past the credit: the faster plan still wins
+    assert cpu_linear.fastest_plans(ms, rows_native=True)[cpu_linear.ROW_BUCKETS.index(17)] == "packed"
