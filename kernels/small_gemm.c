@@ -11,6 +11,9 @@
  * 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
  * runtime: torch has loaded libgomp.so.1 before this library is opened).
  *
+ * On AVX2 builds 1-2 rows instead read one weight row at a time (one sequential stream per thread), and the
+ * caller starts the panels at 3 rows (native_linear.panel_min_rows); both measured below.
+ *
  * Portable C with GCC vector extensions: 16-float vectors where the compiler targets AVX-512, else 8-float
  * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
  * without AVX-512 compile to scalar code, 10-20x slower). The pure-torch reference is F.linear; mtpflow/kernels/native_linear.py compiles, loads and
@@ -153,8 +156,9 @@ static inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m2
 #else
 static inline vec fmadd(vec a, vec b, vec c) { return a + b * c; }
 #endif
-/* two accumulators per input row (even and odd vectors of k): one chain of fused multiply-adds per row waits
- * on the FMA's latency every 8 floats, which here showed (18.2 ms per step against 14.2 with two chains) */
+/* two accumulators per input row (even and odd vectors of k): with one chain of fused multiply-adds per row each
+ * waits on the previous one's latency every 8 floats (a plain verify step took 18.2 ms that way, 14.2-14.7 with
+ * two chains) */
 static inline __attribute__((always_inline)) void one_row(const float *x, const float *w, const float *b, float *y,
                                                           int N, int K, int n, const int mb) {
     const int k2 = K - K % (2 * VW), kv = K - K % VW;
