@@ -57,6 +57,9 @@ class Terminal:
             pid, fd = pty.fork()
         if pid == 0:  # the child: become the program, never return into pytest
             try:
+                # a pytest started in the background (``cmd &``) ignores SIGINT, and an ignored signal stays
+                # ignored across exec: a typed Ctrl-C would not reach the chat
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
                 os.execve(argv[0], argv, env)
             finally:
                 os._exit(127)

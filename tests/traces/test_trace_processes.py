@@ -16,8 +16,10 @@ WORKER = str(Path(__file__).with_name("trace_worker.py"))
 
 
 def start(*args: str) -> subprocess.Popen:
+    # SIGINT at its default in the child: a pytest started in the background (``cmd &``) ignores it, and an
+    # ignored signal stays ignored across exec, so the child would never see the interrupt these tests send
     return subprocess.Popen([sys.executable, WORKER, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_steps(db: Path, proc: subprocess.Popen, n: int = 3, timeout: float = 120.0) -> int:
