@@ -309,9 +309,9 @@ def apply_plans(model: torch.nn.Module, plans: tuple[str, ...]) -> None:
 
 def choose_one_row_path(model: torch.nn.Module) -> None:
     """Time once per model (``one_row_transposed_is_faster`` on the largest linear) whether one row on the stock
-    path takes the transposed weight copy, and set every PackedLinear's choice. Called where a one-row forward
-    takes the stock path, or before the plans are timed: a load whose cached plans run one row natively skips
-    it (0.28 s of each load of the default model)."""
+    path takes the transposed weight copy, and set every PackedLinear's choice. ``apply_plans`` calls it where a
+    one-row forward takes the stock path (also while ``time_plans`` tries the stock plans), so a load whose
+    cached plans run one row natively skips it (0.28 s of each load of the default model)."""
     if "_mtpflow_one_row_t" not in model.__dict__:
         mods = [m for m in model.modules() if isinstance(m, PackedLinear)]
         faster = bool(mods) and one_row_transposed_is_faster(max(mods, key=lambda m: m.weight.numel()))
@@ -430,7 +430,6 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
         return plans if len(plans) == len(ROW_BUCKETS) and all(p in available_plans() for p in plans) else None
 
     def measure():
-        choose_one_row_path(model)  # the stock plan's one row is timed as it would run
         try:
             return time_plans(model)
         except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids

@@ -28,8 +28,6 @@ import torch
 
 SOURCE = Path(__file__).with_name("small_gemm.c")
 PANEL = 64  # output features per panel (small_gemm.c)
-PANEL_MIN_ROWS = 6  # from this many rows ``linear`` takes the panel kernel when given panels (AVX-512 builds)
-PANEL_MIN_ROWS_AVX2 = 3  # ... on builds with 8-float vectors
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
 
@@ -100,6 +98,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mtpflow_small_gemm_q8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 4
     lib.mtpflow_small_gemm_q8.restype = None
     lib.mtpflow_vector_width.restype = ctypes.c_int
+    lib.mtpflow_panel_min_rows.restype = ctypes.c_int
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.mtpflow_llama_rows.argtypes = ([ptr, ptr] + [i32] * 7 + [ptr] * 11 + [ctypes.c_float, ptr, ptr, ctypes.c_long]
                                        + [ptr] * 6 + [i32, ptr, ptr, ctypes.c_float, i32])
@@ -113,12 +112,10 @@ def available() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def panel_min_rows(lib: ctypes.CDLL | None = None) -> int:
-    """From how many rows the panel kernel runs (where the caller has panels). AVX-512 builds: 6 (their 4 x 6
-    row blocks win below). 8-float builds (AVX2): 3; measured on a 2-core AVX2 EPYC, whole verify steps of the
-    default model with 3 / 4 / 5 rows took 35.1 / 35.9 / 40.5 ms through panels against 39.1 / 40.1 / 44.5
-    through the 4 x 2 row blocks (one process, interleaved), and 1-2 rows go one weight row at a time."""
+    """From how many rows the panel kernel runs (where the caller has panels): the build's own threshold
+    (``PANEL_MIN_ROWS`` in small_gemm.c: 6 with AVX-512, 3 with 8-float vectors)."""
     lib = library() if lib is None else lib
-    return PANEL_MIN_ROWS_AVX2 if lib is not None and lib.mtpflow_vector_width() == 8 else PANEL_MIN_ROWS
+    return lib.mtpflow_panel_min_rows() if lib is not None else 0
 
 
 def rows_enabled() -> bool:

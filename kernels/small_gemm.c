@@ -12,7 +12,8 @@
  * runtime: torch has loaded libgomp.so.1 before this library is opened).
  *
  * On AVX2 builds 1-2 rows instead read one weight row at a time (one sequential stream per thread), and the
- * caller starts the panels at 3 rows (native_linear.panel_min_rows); both measured below.
+ * caller starts the panels at 3 rows (PANEL_MIN_ROWS, read by native_linear.panel_min_rows); both measured
+ * below.
  *
  * Portable C with GCC vector extensions: 16-float vectors where the compiler targets AVX-512, else 8-float
  * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
@@ -29,6 +30,7 @@
 #define VW 16     /* floats per vector */
 #define MB_MAX 6  /* input rows per block: 4 x 6 accumulators + 4 weight vectors + 1 input vector <= 32 registers */
 #define PANEL_MB 6
+#define PANEL_MIN_ROWS 6  /* the 4 x 6 row blocks win below this */
 #else
 #define VW 8
 #define MB_MAX 2  /* 4 x 2 accumulators + 4 + 1 <= 16 registers */
@@ -36,6 +38,9 @@
  * a 2-core AVX2 EPYC, the default model's 30 layers of products (best of 7, two runs): 3 / 5 / 9 / 16 rows
  * 14.2 / 18.1 / 25.3 / 39.3 ms against 16.9-19.5 / 20.3-22.7 / 27.5-29.4 / 38.5-40.2 with 2 rows per block */
 #define PANEL_MB 3
+/* from 3 rows the panels beat the 4 x 2 blocks: whole verify steps of the default model with 3 / 4 / 5 rows took
+ * 35.1 / 35.9 / 40.5 ms through panels against 39.1 / 40.1 / 44.5 (one process, interleaved) */
+#define PANEL_MIN_ROWS 3
 #endif
 #define NB 4      /* weight rows per block (row kernel), vectors per column group (panel kernel) */
 
@@ -53,6 +58,9 @@ static inline float sumv(vec v) {
 }
 
 int mtpflow_vector_width(void) { return VW; }
+
+/* from how many rows callers that hold panels should call mtpflow_panel_gemm (native_linear.panel_min_rows) */
+int mtpflow_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 
 /* ---- int8 weights (mtpflow_small_gemm_q8): VW of them widened to floats per load ---------------------- */
 typedef signed char qvec_u __attribute__((vector_size(VW), aligned(1), may_alias));
@@ -148,7 +156,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
  * block. Measured on a 2-core AVX2 EPYC (the default model's 30 layers of products, best of 7, two runs):
  * one row 9.8-13.5 ms against 16.4-16.8 with 4 x 2 blocks, two rows 10.7-12.3 against 17.2-17.9, the
  * 49152-row LM head 2.2-3.4 against 4.3-4.4; three rows 22 against 19 (more streams of input rows than the
- * loop hides), and from 3 rows the panel kernel is faster still (native_linear.panel_min_rows). AVX-512 builds
+ * loop hides), and from 3 rows the panel kernel is faster still (PANEL_MIN_ROWS). AVX-512 builds
  * keep the blocks (not measured there). */
 #define ONE_ROW_MAX 2
 #if defined(__FMA__) && defined(__AVX2__)  /* immintrin.h is included above for AVX2 */

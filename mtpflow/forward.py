@@ -312,7 +312,7 @@ def _row_spec(model) -> _RowSpec | None:
     return spec
 
 
-def _native(model, rows: int):
+def native_for(model, rows: int):
     """(the kernels, the model's spec) where ``rows`` new tokens may go through ``mtpflow_llama_rows``, else None:
     outside ``cpu_linear.packed()``, no native kernels, ``MTPFLOW_NATIVE_ROW=0``, a model ``_row_spec`` turns
     down, or a plan for that many rows that is not native."""
@@ -346,15 +346,15 @@ def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first
 
 
 def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[torch.Tensor],
-                positions: list[torch.Tensor], allowed: list[torch.Tensor]):
+                positions: list[torch.Tensor], allowed: list[torch.Tensor], native=None):
     """A verify forward (``target.verify_batch``, ``Target.verify``) through ``mtpflow_llama_rows``: sequence i
     (pool slot ``slots[i]``, ``lengths[i]`` entries) feeds ``ids[i]`` at rope ``positions[i]``, written at its
     length on, row j seeing its prefix and the new entries ``allowed[i][j]`` marks. Only real rows are computed
     (no padding). Returns (logits [rows, vocab], normed hidden [rows, hidden], each sequence's first row), or
-    None where it does not apply (``_native``)."""
+    None where it does not apply (``native_for``; a caller that checked first passes what it returned)."""
     counts = [int(t.numel()) for t in ids]
     m = sum(counts)
-    native = _native(model, m)
+    native = native if native is not None else native_for(model, m)
     if native is None:
         return None
     mask = torch.zeros(m, max(counts), dtype=torch.uint8)

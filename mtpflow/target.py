@@ -182,12 +182,12 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
     returns the union of the targets' hidden-state taps; each sequence gets its own taps back.
     """
     t0 = time.perf_counter()
-    pool = targets[0].pool
-    rows = pool.used
-    by_slot = {t.kv.slot: i for i, t in enumerate(targets)}
     done = _verify_native(model, targets, roots, drafts, root_positions, t0)
     if done is not None:
         return done
+    pool = targets[0].pool
+    rows = pool.used
+    by_slot = {t.kv.slot: i for i, t in enumerate(targets)}
     sizes = [1 + d.num_nodes for d in drafts]
     q = max(sizes)
     lengths = [owner.length for owner in pool.owners]
@@ -233,8 +233,11 @@ def verify_batch(model, targets: list[Target], roots: list[int], drafts: list[Dr
 def _verify_native(model, targets, roots, drafts, root_positions, t0) -> list[Verification] | None:
     """A verify forward through ``mtpflow.forward.native_rows`` (every layer in one native call, only the real
     rows), or None where it does not apply (a sequence wants hidden states other than the last, or the model,
-    the plan or the machine does not allow it: ``forward._native``)."""
+    the plan or the machine does not allow it: ``forward.native_for``), checked before any row is laid out."""
     if any(set(t.taps) - {-1} for t in targets):
+        return None
+    native = lean_forward.native_for(model, sum(1 + d.num_nodes for d in drafts))
+    if native is None:
         return None
     ids, positions, allowed = [], [], []
     for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
@@ -246,11 +249,9 @@ def _verify_native(model, targets, roots, drafts, root_positions, t0) -> list[Ve
         else:
             positions.append(torch.tensor([base], dtype=torch.long))
             allowed.append(torch.ones(1, 1, dtype=torch.bool))
-    out = lean_forward.native_rows(model, targets[0].pool, [t.kv.slot for t in targets],
-                                   [t.kv.length for t in targets], ids, positions, allowed)
-    if out is None:
-        return None
-    logits, hidden, starts = out
+    logits, hidden, starts = lean_forward.native_rows(model, targets[0].pool, [t.kv.slot for t in targets],
+                                                      [t.kv.length for t in targets], ids, positions, allowed,
+                                                      native=native)
     seconds = time.perf_counter() - t0
     results = []
     for target, tokens, start in zip(targets, ids, starts):

@@ -18,6 +18,20 @@ TINY_CORPUS = [
 ] * 4
 
 
+def count_runs(monkeypatch, module, name: str) -> list:
+    """Patch ``module.<name>`` to record every call that ran rather than declined (returned something)."""
+    ran, real = [], getattr(module, name)
+
+    def counting(*args, **kwargs):
+        out = real(*args, **kwargs)
+        if out is not None:
+            ran.append(out)
+        return out
+
+    monkeypatch.setattr(module, name, counting)
+    return ran
+
+
 def make_tiny_tokenizer(vocab_size: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

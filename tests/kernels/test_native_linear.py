@@ -37,7 +37,7 @@ def test_both_kernels_match_f_linear(rows, shape, bias):
 
 @needs_native
 def test_the_avx2_build_matches_f_linear(tmp_path):
-    """The 8-float build (CPUs without AVX-512) has its own block sizes and takes 1-3 rows one weight row at a
+    """The 8-float build (CPUs without AVX-512) has its own block sizes and takes 1-2 rows one weight row at a
     time; built here with AVX-512 turned off."""
     cc = native_linear.compiler()
     out = tmp_path / "avx2.so"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import hf_greedy, make_pipeline, make_tiny_model
+from helpers import count_runs, hf_greedy, make_pipeline, make_tiny_model
 from mtpflow import forward as lean
 from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
 
@@ -232,20 +232,6 @@ def _native_model(**config):
     return model
 
 
-def _count_runs(monkeypatch, name: str) -> list:
-    """Records every call of ``lean.<name>`` that ran rather than declined (returned something)."""
-    ran, real = [], getattr(lean, name)
-
-    def counting(*args, **kwargs):
-        out = real(*args, **kwargs)
-        if out is not None:
-            ran.append(out)
-        return out
-
-    monkeypatch.setattr(lean, name, counting)
-    return ran
-
-
 @pytest.mark.parametrize("context", [11, 300])  # 300: attention over more than 128 entries runs on threads
 def test_native_rows_verify_one_sequence_as_the_lean_forward_does(context, monkeypatch):
     """A sequence's own verify (``Target.verify``) through mtpflow_llama_rows: plain steps and a chain give the
@@ -256,7 +242,7 @@ def test_native_rows_verify_one_sequence_as_the_lean_forward_does(context, monke
 
     model = _native_model()
     prompt = torch.randint(1, 96, (context,), generator=torch.Generator().manual_seed(2))
-    ran = _count_runs(monkeypatch, "native_rows")
+    ran = count_runs(monkeypatch, lean, "native_rows")
 
     def run(native: bool):
         monkeypatch.setenv("MTPFLOW_NATIVE_ROW", "1" if native else "0")
@@ -316,7 +302,7 @@ def test_greedy_through_the_native_rows_equals_hf(tiny, monkeypatch):
     from mtpflow.kernels import cpu_linear
 
     prompt = [5, 17, 23, 8, 42, 11, 9]
-    ran = _count_runs(monkeypatch, "native_rows")  # every verify forward of the engine (plain steps and drafts)
+    ran = count_runs(monkeypatch, lean, "native_rows")  # every verify forward of the engine (plain steps and drafts)
     for strategy in ("baseline", "pld"):
         pipe = make_pipeline(tiny, strategy, "max_new_tokens=40", "trace=off", "model.cpu_linear=packed")
         cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
@@ -352,7 +338,7 @@ def test_native_rows_verify_a_batch_as_the_lean_forward_does(drafted, monkeypatc
             out = verify_batch(model, batch, [5, 6, 7], drafts, [t.cache_len for t in batch])
             return out, [t.kv.length for t in targets], [k.clone() for k in pool.keys], [v.clone() for v in pool.values]
 
-    ran = _count_runs(monkeypatch, "native_rows")
+    ran = count_runs(monkeypatch, lean, "native_rows")
     mine, lengths, keys, values = run(True)
     assert ran
     theirs, lengths_ref, keys_ref, values_ref = run(False)
