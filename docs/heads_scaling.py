@@ -1,6 +1,6 @@
 """How the EAGLE drafter's accuracy and MAL grow with its training text (docs/heads_scaling.md).
 
-The EAGLE layer is trained with the default settings (``conf/train_heads.yaml``) on nested subsets of the
+The EAGLE layer is trained with the default settings (``mtpflow/conf/train_heads.yaml``) on nested subsets of the
 default training text (the same held-out prompts for every subset), and each layer is measured twice:
 held-out top-1 of the model's greedy choice at t+2, and the MAL of the ``eagle`` strategy on the benchmark
 prompts (128 new tokens, greedy, the shipped PFS threshold with the cost budget off, so the MAL depends on

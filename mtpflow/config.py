@@ -1,4 +1,4 @@
-"""Hydra configuration: compose ``conf/config.yaml`` with overrides (the same path for the CLI, the Python
+"""Hydra configuration: compose ``mtpflow/conf/config.yaml`` with overrides (the same path for the CLI, the Python
 API, the benchmark and the playground), list strategies, and validate values before any model loads.
 
 We use Hydra's compose API rather than ``@hydra.main`` so runs never create ``outputs/`` folders and every
@@ -13,23 +13,15 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpflow.errors import ConfigError, UserError, check_int, check_range
 
-SOURCE_CONF_DIR = Path(__file__).resolve().parent.parent / "conf"  # a source checkout without install
 _compose_lock = threading.Lock()  # Hydra's global state is not thread-safe
 
 
 def conf_dir() -> Path:
-    """The packaged ``conf/`` folder (installed as ``mtpflow.conf``)."""
-    import importlib.resources
-
-    try:
-        path = Path(str(importlib.resources.files("mtpflow.conf")))
-        if (path / "config.yaml").exists():
-            return path
-    except ModuleNotFoundError:
-        pass
-    if (SOURCE_CONF_DIR / "config.yaml").exists():
-        return SOURCE_CONF_DIR
-    raise RuntimeError("mtpflow's conf/ folder is missing from the installation")
+    """The packaged ``mtpflow/conf/`` folder."""
+    path = Path(__file__).resolve().parent / "conf"
+    if not (path / "config.yaml").exists():
+        raise RuntimeError("mtpflow's conf/ folder is missing from the installation")
+    return path
 
 
 def strategy_dirs() -> list[Path]:

@@ -16,7 +16,7 @@ one product each (``fuse_projections``: the parts' weights become views into one
 memory is added and HF's own forward keeps using the parts): the same sums per output, fewer and wider calls.
 
 Verify forwards on a CPU go further: ``native_rows`` (the engine's batch, a sequence's own verify) runs every
-layer in one call into the native kernels (``mtpflow_llama_rows`` in ``kernels/small_gemm.c``; docs/kernels.md),
+layer in one call into the native kernels (``mtpflow_llama_rows`` in ``mtpflow/kernels/small_gemm.c``; docs/kernels.md),
 where the model and the per-machine plan allow it.
 
 Used by ``mtpflow.target`` (through ``run``) for every forward over the KV pool (prefill, a sequence's own

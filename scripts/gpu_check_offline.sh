@@ -2,8 +2,7 @@
 # The kernel GPU check for a CUDA machine WITHOUT network (e.g. the H200 device machines): nothing is fetched.
 #   - missing pure-python dependencies come as wheels in .whl/ (hydra-core, omegaconf, antlr4-python3-runtime
 #     4.9.3; fetch them where pip works, see docs/kernels_gpu_results.md) and are installed into /tmp/site;
-#   - mtpflow is made importable by a symlink shim that repeats pyproject's package-dir mapping
-#     (mtpflow.kernels -> kernels/, mtpflow.strategies -> strategies/, ...): no pip install of the package;
+#   - mtpflow is imported from the source tree (everything lives under mtpflow/): no pip install of the package;
 #   - the decode comparison uses a RANDOMLY initialised model of SmolLM2-135M's shape (the embedded GGUF
 #     default model is too big to carry), see scripts/gpu_decode_random.py.
 # Steps: kernel tests compiled on CUDA, scripts/kernel_timings.py, the random-model decode comparison.
@@ -14,22 +13,13 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MTPFLOW_LOAD_PLUGINS=""
-# The repository root must not go on sys.path (python -m / stdin put the cwd first): its mtpflow/ lacks the
-# mapped sub-packages; the shim below provides the package instead.
-export PYTHONSAFEPATH=1
 PY=${PYTHON:-python3}
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
 fi
-SHIM=/tmp/mtpflow-shim
-rm -rf "$SHIM" && mkdir -p "$SHIM/mtpflow"
-for f in mtpflow/*; do ln -s "$PWD/$f" "$SHIM/mtpflow/"; done
-for pair in strategies:strategies kernels:kernels playground:playground conf:conf; do
-  ln -sfn "$PWD/${pair#*:}" "$SHIM/mtpflow/${pair%%:*}"
-done
-export PYTHONPATH="$SHIM:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 
 {
   date -u

@@ -11,13 +11,9 @@ try:
     out["versions"] = [torch.__version__, transformers.__version__, numpy.__version__, torch.cuda.is_available()]
 except Exception as e:
     print("no torch/transformers:", e); sys.exit(0)
-import types, importlib, importlib.util
+import types
 from transformers import LlamaConfig, LlamaForCausalLM  # before the source tree is on the path
-sys.path.append(BASE)  # the source tree, without installing: mtpflow/ and strategies/ as mtpflow.strategies
-import mtpflow
-spec = importlib.util.spec_from_file_location("mtpflow.strategies", os.path.join(BASE, "strategies", "__init__.py"),
-                                              submodule_search_locations=[os.path.join(BASE, "strategies")])
-mod = importlib.util.module_from_spec(spec); sys.modules["mtpflow.strategies"] = mod; spec.loader.exec_module(mod)
+sys.path.append(BASE)  # the source tree, without installing
 from mtpflow.strategies import hardware
 from mtpflow.strategies.hardware import HardwareAwareK, device_name
 out["device_name"] = device_name("cuda:0")

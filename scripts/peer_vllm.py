@@ -176,9 +176,8 @@ def main(argv=None) -> int:
     if args.batch < 1 or args.max_tokens < 1:
         p.error("--batch and --max-tokens must be >= 1")
 
-    # vLLM starts helper processes with ``python -m``, which puts the working directory on sys.path; from the
-    # repository root this repo's top-level ``kernels/`` folder would shadow the ``kernels`` package that
-    # transformers probes for (and fail importing mtpflow), so resolve paths and leave the repository first.
+    # vLLM starts helper processes with ``python -m``, which puts the working directory on sys.path: resolve the
+    # paths, then run from a neutral folder so nothing in the caller's folder can shadow a package.
     args.draft = str(Path(args.draft).expanduser().resolve()) if args.draft else None
     args.dump = str(Path(args.dump).expanduser().resolve()) if args.dump else None
     args.model = str(Path(args.model).expanduser().resolve()) if args.model else None

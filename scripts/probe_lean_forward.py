@@ -6,7 +6,7 @@
                                                       #   (MTPFLOW_NATIVE_ROW=1 / 0)
     MTPFLOW_PROBE_SOURCE=old.c python scripts/probe_lean_forward.py 1 kernel
                                                       # this checkout's small_gemm.c vs another version of it
-                                                      #   (e.g. git show HEAD~1:kernels/small_gemm.c > old.c)
+                                                      #   (e.g. git show HEAD~1:mtpflow/kernels/small_gemm.c > old.c)
     python scripts/probe_lean_forward.py 16 fused     # fused q/k/v and gate/up products vs the parts apart
     python scripts/probe_lean_forward.py 1 fused 9    # one sequence verifying 9 rows (root + an 8-token chain)
     python scripts/probe_lean_forward.py 16 fused 1 native,native,native,native,native,packed,packed   # plans

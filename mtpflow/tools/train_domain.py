@@ -175,7 +175,7 @@ def report_markdown(r: dict) -> str:
     errors = "\n".join(f"- *{y}* predicted *{p}*: {t[:140]!r}" for t, y, p in r["errors"]) or "- none"
     return f"""# Domain classifier
 
-`DomainAwareK` (`strategies/domain.py`) picks K from the request's domain. The classifier is a multinomial
+`DomainAwareK` (`mtpflow/strategies/domain.py`) picks K from the request's domain. The classifier is a multinomial
 logistic regression over the mean of the request's all-MiniLM-L6-v2 **input token embeddings** (the
 WordPiece embedding table, PCA to {DIMENSIONS} dimensions, int8), trained by `python -m mtpflow.train_domain`
 on the train split of `mtpflow/data/domain_prompts.jsonl` and shipped as plain arrays plus the tokenizer's

@@ -35,7 +35,7 @@ _lock = threading.Lock()
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    """``conf/train_heads.yaml`` composed with overrides (Hydra compose API: no outputs/ folder)."""
+    """``mtpflow/conf/train_heads.yaml`` composed with overrides (Hydra compose API: no outputs/ folder)."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

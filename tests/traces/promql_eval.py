@@ -1,4 +1,4 @@
-"""A small PromQL evaluator and rule-unit-test runner, so the alert rules in conf/prometheus/alerts.yml are
+"""A small PromQL evaluator and rule-unit-test runner, so the alert rules in mtpflow/conf/prometheus/alerts.yml are
 tested by behaviour on every machine: it runs the same promtool unit-test file (tests/traces/alerts_test.yml)
 that ``promtool test rules`` runs where Prometheus is installed.
 

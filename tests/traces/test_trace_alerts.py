@@ -1,4 +1,4 @@
-"""conf/prometheus/alerts.yml, tested by behaviour: the rule unit tests in alerts_test.yml (made-up series:
+"""mtpflow/conf/prometheus/alerts.yml, tested by behaviour: the rule unit tests in alerts_test.yml (made-up series:
 each threshold from both sides, ``for:`` pending, an alert that clears, the recorded rates' values) run through
 a small PromQL evaluator everywhere (promql_eval.py), and through ``promtool`` too where the Debian
 `prometheus` package is installed. A rule whose threshold or expression changes fails them."""
@@ -14,7 +14,7 @@ import yaml
 from promql_eval import Database, parse_series, run_unit_tests
 
 ROOT = Path(__file__).resolve().parents[2]
-RULES = ROOT / "conf" / "prometheus" / "alerts.yml"
+RULES = ROOT / "mtpflow" / "conf" / "prometheus" / "alerts.yml"
 UNIT_TESTS = Path(__file__).with_name("alerts_test.yml")
 PROMTOOL = shutil.which("promtool")
 

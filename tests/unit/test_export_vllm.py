@@ -281,8 +281,7 @@ def vllm_python() -> str | None:
 @pytest.mark.vllm
 @pytest.mark.default_model
 def test_vllm_loads_the_export_and_drafts_losslessly(tmp_path):
-    """vLLM (its own venv, a subprocess started outside the repository, whose ``kernels/`` folder would shadow a
-    package of that name) serves the default model with the exported shipped heads: 2 prompts x 16 greedy
+    """vLLM (its own venv, a subprocess started from a neutral folder) serves the default model with the exported shipped heads: 2 prompts x 16 greedy
     tokens equal HF greedy, and vLLM's own counters show drafted and accepted tokens."""
     python = vllm_python()
     if python is None:

@@ -15,7 +15,6 @@ import threading
 import time
 from dataclasses import dataclass
 from importlib import resources
-from pathlib import Path
 from typing import Iterator
 
 from mtpflow.api import Pipeline
@@ -42,15 +41,11 @@ FALLBACK_EXAMPLES = (
 
 def example_prompts(limit_per_class: int = 2) -> list[dict]:
     """A few prompts per class from the benchmark suite (``mtpflow/data/bench_prompts.jsonl``), or built-ins."""
-    rows: list[dict] = []
-    for read in (lambda: resources.files("mtpflow.data").joinpath("bench_prompts.jsonl").read_text("utf-8"),
-                 lambda: (Path(__file__).resolve().parent.parent / "mtpflow" / "data" / "bench_prompts.jsonl")
-                 .read_text("utf-8")):
-        try:
-            rows = [json.loads(line) for line in read().splitlines() if line.strip()]
-            break
-        except (OSError, ModuleNotFoundError, ValueError):
-            continue
+    try:
+        text = resources.files("mtpflow.data").joinpath("bench_prompts.jsonl").read_text("utf-8")
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+    except (OSError, ValueError):
+        rows = []
     rows = [r for r in rows if isinstance(r, dict) and str(r.get("prompt", "")).strip()]
     if not rows:
         return list(FALLBACK_EXAMPLES)
