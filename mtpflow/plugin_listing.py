@@ -16,16 +16,28 @@ USAGE = "usage: python -m mtpflow.plugins [--json | --hooks]   (--hooks: every h
 
 
 def strategy_targets(strategy_dir: Path) -> dict[str, list[str]]:
-    """strategy name -> the ``_target_`` class paths its stages name."""
+    """strategy name -> the ``_target_`` class paths its stages name, after merging the strategies its Hydra
+    ``defaults`` list builds on (``mtp`` builds on ``suffix_cache``), as composing it would."""
     out: dict[str, list[str]] = {}
+    nodes: dict[str, dict] = {}
     for path in sorted(Path(strategy_dir).glob("*.yaml")):
         try:
             node = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
         except Exception as exc:  # a malformed YAML: say so in the listing instead of failing
             out[path.stem] = [f"<unreadable: {type(exc).__name__}>"]
             continue
-        out[path.stem] = sorted(set(_targets(node)))
-    return out
+        nodes[path.stem] = node if isinstance(node, dict) else {}
+
+    def merged(name: str, seen: frozenset = frozenset()) -> dict:
+        node = nodes[name]
+        bases = [b for b in node.get("defaults") or [] if isinstance(b, str) and b in nodes and b not in seen]
+        own = {k: v for k, v in node.items() if k != "defaults"}
+        parts = [merged(b, seen | {name}) for b in bases] + [own]
+        return OmegaConf.to_container(OmegaConf.merge(*parts), resolve=False)
+
+    for name in nodes:
+        out[name] = sorted(set(_targets(merged(name))))
+    return dict(sorted(out.items()))
 
 
 def _targets(node) -> list[str]:

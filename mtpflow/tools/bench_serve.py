@@ -32,7 +32,7 @@ from mtpflow.errors import ConfigError, UserError, check_int, writable_folder
 
 DEFAULTS = {
     "mode": "serve",
-    "strategies": ["baseline", "mtp"],  # mtp: the best lossless strategy in docs/bench/all_strategies_summary.csv
+    "strategies": ["baseline", "mtp"],  # mtp: the recommended strategy (docs/strategies.md)
     "concurrency": [1, 4, 8, 16],
     "requests": 32,  # requests per strategy and concurrency (at least the concurrency)
     "max_new_tokens": 64,

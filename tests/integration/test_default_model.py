@@ -46,7 +46,7 @@ def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded
     calls = []
     real = native_linear.linear_int8
     monkeypatch.setattr(native_linear, "linear_int8", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for strategy in ("mtp", "pld"):
+    for strategy in ("mtp_heads", "pld"):
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=32", "trace=off", "model.quantize=int8")
         accepted = 0
         for prompt in PROMPTS:

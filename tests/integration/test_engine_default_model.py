@@ -29,7 +29,7 @@ def test_mixed_batch_equals_hf_greedy(default_loaded):
                     loaded=default_loaded)
     requests = []
     for i, prompt in enumerate(PROMPTS * 2):
-        strategy = ["baseline", "pld", "mtp", "jacobi"][i % 4]
+        strategy = ["baseline", "pld", "mtp", "mtp_heads", "jacobi"][i % 5]
         requests.append(Request(prompt=prompt, strategy=strategy, max_new_tokens=24 + i))
     sampled = Request(prompt=PROMPTS[3], strategy="sampling", temperature=0.8, seed=3)
     handles = [engine.submit(r) for r in requests] + [engine.submit(sampled)]
@@ -52,7 +52,7 @@ def test_64_requests_do_not_grow_memory(default_loaded):
     process = psutil.Process()
 
     def run(n):
-        requests = [Request(prompt=PROMPTS[i % len(PROMPTS)], strategy=["pld", "mtp", "baseline"][i % 3])
+        requests = [Request(prompt=PROMPTS[i % len(PROMPTS)], strategy=["pld", "mtp", "mtp_heads", "baseline"][i % 4])
                     for i in range(n)]
         engine.generate(requests)
         gc.collect()

@@ -51,6 +51,22 @@ def test_listed_with_its_hooks_and_strategy():
 
 
 
+def test_listing_follows_a_strategy_built_on_another(tmp_path):
+    """A strategy YAML whose Hydra defaults list names another (``mtp`` builds on ``suffix_cache``) lists the
+    stage classes the composed strategy has (its own where it overrides a stage); a defaults entry that is not a
+    plain name is skipped."""
+    from mtpflow.config import conf_dir
+    from mtpflow.plugin_listing import strategy_targets
+
+    (tmp_path / "base.yaml").write_text("propose: {_target_: a.Proposer}\ngate: {_target_: a.Gate}\n")
+    (tmp_path / "child.yaml").write_text("defaults:\n  - base\n  - {x: y}\n  - _self_\n"
+                                         "gate: {_target_: b.Gate}\n")
+    assert strategy_targets(tmp_path) == {"base": ["a.Gate", "a.Proposer"],
+                                          "child": ["a.Proposer", "b.Gate"]}
+    builtin = strategy_targets(conf_dir() / "strategy")
+    assert builtin["mtp"] == builtin["suffix_cache"] and "mtpflow.strategies.suffix.SuffixProposer" in builtin["mtp"]
+
+
 def test_listing_says_when_the_variable_keeps_it_out(monkeypatch):
     from mtpflow.plugin_listing import describe, format_listing
 

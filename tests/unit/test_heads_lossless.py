@@ -128,7 +128,7 @@ def test_save_load_round_trip(tiny, tmp_path):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp_heads"])
 def test_shipped_heads_match_hf_greedy(default_loaded, kind):
     from mtpflow.model import encode_prompt
 
@@ -169,12 +169,12 @@ def test_graft_chain_shares_prefixes_and_keeps_parents_first():
 
 
 def test_heads_with_lookup_match_hf_greedy(tiny, tmp_path):
-    """Medusa tree + grafted prompt-lookup chain (the ``mtp`` strategy's drafter) on repetitive prompts: same
+    """Medusa tree + grafted prompt-lookup chain (the ``mtp_heads`` strategy's drafter) on repetitive prompts: same
     tokens as HF greedy, and lookup tokens really are drafted and accepted."""
     folder = random_heads(tiny, "medusa", tmp_path / "m")
     steps = accepted = 0
     for i, ids in enumerate(prompts(len(tiny.tokenizer), 6, seed=4)):
-        pipe = make_pipeline(tiny, "mtp", "max_new_tokens=40", f"strategy.propose.heads={folder}",
+        pipe = make_pipeline(tiny, "mtp_heads", "max_new_tokens=40", f"strategy.propose.heads={folder}",
                              "strategy.prune.0.threshold=0.0", "strategy.prune.0.costs=null",
                              "strategy.propose.lookup.min_ngram=1")
         result = pipe(prompt_ids=ids)
@@ -183,7 +183,7 @@ def test_heads_with_lookup_match_hf_greedy(tiny, tmp_path):
         accepted += result.stats["lookup_accepted"]
     assert steps > 0 and accepted > 0
     # K below the chain length: still lossless, and lookup still drafts
-    pipe = make_pipeline(tiny, "mtp", "max_new_tokens=24", f"strategy.propose.heads={folder}", "k=2",
+    pipe = make_pipeline(tiny, "mtp_heads", "max_new_tokens=24", f"strategy.propose.heads={folder}", "k=2",
                          "strategy.prune.0.threshold=0.0", "strategy.prune.0.costs=null",
                          "strategy.propose.lookup.min_ngram=1")
     ids = prompts(len(tiny.tokenizer), 2, seed=4)[1]
@@ -203,4 +203,4 @@ def test_bad_lookup_settings_are_config_errors(bad):
 
 def test_bad_lookup_override_is_one_clear_error(tiny):
     with pytest.raises(UserError, match="lookup"):
-        make_pipeline(tiny, "mtp", "strategy.propose.lookup.max_ngram=0")
+        make_pipeline(tiny, "mtp_heads", "strategy.propose.lookup.max_ngram=0")

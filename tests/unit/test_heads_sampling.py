@@ -28,7 +28,7 @@ def sample_counts(pipe, prompt, n):
     return counts, drafted, trees, lookups
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp"])  # mtp: Medusa tree + grafted lookup chain
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp_heads"])  # Medusa tree + grafted lookup chain
 def test_tree_sampling_matches_plain_sampling(kind, tmp_path):
     model = make_tiny_model(VOCAB, seed=2, init=0.5)
     model.generation_config.eos_token_id = None
@@ -41,7 +41,7 @@ def test_tree_sampling_matches_plain_sampling(kind, tmp_path):
                          "k=2", "strategy.propose.top_k=3", "strategy.prune.0.threshold=0.0", "strategy.prune.0.costs=null")
     spec, drafted, trees, lookups = sample_counts(pipe, prompt, n)
     assert drafted > n and trees > n // 2  # speculation over trees really happened
-    if kind == "mtp":
+    if kind == "mtp_heads":
         assert lookups > n // 4  # and lookup chains were grafted into them
     keys = sorted(set(plain) | set(spec))
     table = [[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]]

@@ -1,5 +1,6 @@
 """Token recycling and the suffix cache through the real loop on tiny random models: token for token equal to HF
-greedy generate (as proposers, as grafts onto other strategies and into ``mtp``'s head tree), sampling in
+greedy generate (as proposers, as grafts onto other strategies and into ``mtp_heads``'s head tree; ``mtp`` is the
+suffix-cache drafter), sampling in
 distribution, a repeated request drafted from the earlier output, and memory under each drafter's bound after
 200 requests."""
 from __future__ import annotations
@@ -90,6 +91,22 @@ def test_suffix_cache_matches_hf_greedy_and_drafts_a_repeat_from_the_earlier_out
                 mals.append(result.stats["mal"])
     assert first and min(again) >= 8  # the whole earlier output is drafted (K = 24 here)
     assert sum(again) > 2 * sum(first)
+
+
+def test_mtp_is_the_suffix_cache_drafter_and_lossless(tiny):
+    """``mtp`` (chosen by measurement, docs/strategies.md) builds on ``suffix_cache``: the same stages, its own
+    name; greedy output equals HF and a repeated request is drafted from the earlier output."""
+    from mtpflow.config import compose
+
+    mtp, suffix = compose(["strategy=mtp"]).strategy, compose(["strategy=suffix_cache"]).strategy
+    assert mtp.name == "mtp" and mtp.lossless and not mtp.get("needs_hidden_states")
+    for stage in ("select_k", "propose", "prune", "gate", "dedup", "rescore", "window"):
+        assert mtp.get(stage) == suffix.get(stage), stage
+    pipe = make_pipeline(tiny, "mtp", "max_new_tokens=40", "trace=off", FLAT_COSTS)
+    ids = prompts(len(tiny.tokenizer), 2)[1]
+    first, again = pipe(prompt_ids=ids), pipe(prompt_ids=ids)
+    assert first.token_ids == again.token_ids == hf_greedy(tiny.model, ids, 40)
+    assert again.stats["mal"] >= 8 > first.stats["mal"]
 
 
 @pytest.mark.parametrize("strategy", ["pld", "jacobi", "draft_model", "recycling"])

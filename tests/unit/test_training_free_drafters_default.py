@@ -28,7 +28,7 @@ def reference(model, ids: tuple[int, ...], new: int) -> list[int]:
 @pytest.mark.parametrize("strategy, overrides, drafters", [
     ("recycling", ["strategy.prune.0.costs=null", "strategy.prune.0.max_nodes=16"], ["recycling"]),  # trees verified
     ("suffix_cache", [], ["suffix"]),
-    ("mtp", [], ["recycling", "suffix"]),  # grafts both by default
+    ("mtp_heads", [], ["recycling", "suffix"]),  # grafts both by default
 ])
 def test_default_model_lossless(default_loaded, strategy, overrides, drafters):
     pipe = make_pipeline(default_loaded, strategy, "max_new_tokens=32", "trace=off", *overrides)
