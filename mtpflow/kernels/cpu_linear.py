@@ -20,9 +20,10 @@ oneDNN, whose per-call overhead dominates the small layers), and oneDNN won only
 up. Neither reads the weights at memory speed for a few rows, so a fourth path is mtpflow's own kernel
 (``native_linear``: ``small_gemm.c``, compiled on first use), which on that Xeon ran 5 rows through the
 whole model in 36 ms against 49 ms for the best of the others and about 33 ms for one row. ``install`` times
-whole-model forwards of 1, 2, 3, 5, 9, 17 and 64 rows under four *plans* -- stock everywhere, packed
-everywhere, packed on the largest linear (the LM head) only, native everywhere (where it could be built) --
-and keeps the fastest per row count (13 s at first load for the default model on the AVX-512 EPYC host);
+whole-model forwards of 1, 2, 3, 5, 9, 17 and 64 rows (verifies as the loop runs them, a prefill for 64) under
+four *plans* -- stock everywhere, packed everywhere, packed on the largest linear (the LM head) only, native
+everywhere (where it could be built) -- and keeps the fastest per row count (42-55 s at first load for the
+default model on a busy 2-core AVX2 host);
 the choice is cached per CPU, torch build, thread count and layer shapes under ``~/.cache/mtpflow/cpu_linear``.
 The 64-row entry
 covers every larger forward too (a prompt's prefill, a wide batched verify): on a 2-core AMD EPYC with
@@ -323,8 +324,10 @@ def choose_one_row_path(model: torch.nn.Module) -> None:
 
 def drop_unused_copies(model: torch.nn.Module) -> None:
     """Free the oneDNN packed copies and native panels that no row count's path uses any more (timing all
-    plans builds every kind; each is a full copy of the linear weights)."""
-    for m in model.modules():
+    plans builds every kind; each is a full copy of the linear weights), the fused products' included (held
+    outside the module tree, in their block's ``__dict__``: ``mtpflow.forward.fuse_projections``)."""
+    fused = [v for m in model.modules() for v in vars(m).values() if isinstance(v, FusedLinear)]
+    for m in [*model.modules(), *fused]:
         if isinstance(m, PackedLinear):
             if "packed" not in m._mtpflow_row_paths:
                 m._mtpflow_pack = None
@@ -336,29 +339,42 @@ def drop_unused_copies(model: torch.nn.Module) -> None:
 
 @torch.inference_mode()
 def time_plans(model: torch.nn.Module, repeats: int = 7) -> dict[tuple[int, str], list[float]]:
-    """{(rows, plan): seconds of each repeat} of whole-model forwards of ``rows`` random tokens (no cache:
-    attention over a few tokens is the same for every plan), plans interleaved so background load hits them
-    alike, after a warm-up round; ``load_plans`` keeps the fastest repeat (a median still moved the choice
-    between runs on a 2-core host)."""
+    """{(rows, plan): seconds of each repeat} of the forward a step of ``rows`` rows runs under each plan, through
+    ``mtpflow.target.Target`` as decoding runs it: a verify of a root and a chain of ``rows - 1`` random drafts
+    over a one-token prefix (where the plan and the model allow, every layer in one native call:
+    ``forward.native_rows``) for the verify buckets, a prefill of that many tokens (the last row's logits only)
+    for the largest. Plans interleaved so background load hits them alike, after a warm-up round;
+    ``load_plans`` keeps the fastest repeat (a median still moved the choice between runs on a 2-core host)."""
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
+
     vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
     if vocab <= 0:
         return {}
     g = torch.Generator().manual_seed(0)
     saved = getattr(model, "_mtpflow_linear_plans", None)
     out: dict[tuple[int, str], list[float]] = {}
+    target = Target(model)
     token = _active.set(True)
     try:
+        target.prefill(torch.randint(0, vocab, (1,), generator=g))  # the one-token prefix every verify sees
         for rows in ROW_BUCKETS:
-            ids = torch.randint(0, vocab, (1, rows), generator=g)
+            ids = torch.randint(0, vocab, (rows + 1,), generator=g)
+            chain = Draft(ids[2:], torch.arange(-1, rows - 2)) if rows > 1 else Draft.empty()
             for i in range(repeats + 1):
                 for plan in available_plans():
                     apply_plans(model, (plan,) * len(ROW_BUCKETS))
+                    target.cache_len = 0 if rows == ROW_BUCKETS[-1] else 1  # rolled back by position
                     t0 = time.perf_counter()
-                    model(input_ids=ids, use_cache=False)
+                    if rows == ROW_BUCKETS[-1]:
+                        target.prefill(ids[:rows])
+                    else:
+                        target.verify(int(ids[1]), chain, 1)
                     if i:  # the first round warms up (and packs the weights)
                         out.setdefault((rows, plan), []).append(time.perf_counter() - t0)
     finally:
         _active.reset(token)
+        target.release()
         if saved is not None:
             apply_plans(model, saved)
             drop_unused_copies(model)  # (a first install drops them after applying its plans)
@@ -377,12 +393,16 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+# what ``time_plans`` times (part of the cache key: plans timed through HF's forward, before, are timed again)
+TIMED = "target-verify"
+
+
 def _plans_cache_path(model: torch.nn.Module):
     from mtpflow.model import measurement_path
 
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    return measurement_path("cpu_linear", cpu_name(), os.cpu_count(), torch.get_num_threads(), torch.__version__,
-                            ROW_BUCKETS, available_plans(), _native_version(), [list(s) for s in shapes])
+    return measurement_path("cpu_linear", TIMED, cpu_name(), os.cpu_count(), torch.get_num_threads(),
+                            torch.__version__, ROW_BUCKETS, available_plans(), _native_version(), [list(s) for s in shapes])
 
 
 def _native_version() -> str:
@@ -390,23 +410,9 @@ def _native_version() -> str:
     return native_linear.source_hash()[:10] if native_linear.available() else ""
 
 
-# A native plan also lets a Llama-family model's verify forwards of up to 17 rows run every layer in one native
-# call (mtpflow.forward.native_rows), which the plan timing (the linears inside HF's forward) does not see: on
-# the 2-core AVX2 EPYC a 16-sequence step took 62.9 ms that way against 77.0 with the same products and the
-# layers in Python (one sequence: 24.3 against 35.7). So there the native plan's time counts x 0.85; at 17 rows
-# it had tied with oneDNN's (71.09 / 71.01 ms) and lost the whole batch its native forward.
-NATIVE_ROWS_CREDIT = 0.85
-
-
-def fastest_plans(ms: dict[int, dict[str, float]], rows_native: bool) -> tuple[str, ...]:
-    """The fastest plan per entry of ROW_BUCKETS from timings ``{rows: {plan: time}}``; where ``rows_native`` (the
-    model's verify forwards may run through ``mtpflow_llama_rows``) the native plan's time counts
-    x NATIVE_ROWS_CREDIT below the largest bucket (prefills, which run the layers in Python)."""
-    def cost(rows: int, plan: str) -> float:
-        credit = rows_native and plan == "native" and rows < ROW_BUCKETS[-1]
-        return ms[rows][plan] * (NATIVE_ROWS_CREDIT if credit else 1.0)
-
-    return tuple(min(ms[r], key=lambda plan: cost(r, plan)) for r in ROW_BUCKETS)
+def fastest_plans(ms: dict[int, dict[str, float]]) -> tuple[str, ...]:
+    """The fastest plan per entry of ROW_BUCKETS from timings ``{rows: {plan: time}}``."""
+    return tuple(min(ms[r], key=ms[r].get) for r in ROW_BUCKETS)
 
 
 def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
@@ -420,24 +426,20 @@ def load_plans(model: torch.nn.Module) -> tuple[str, ...]:
         return DEFAULT_PLANS
     from mtpflow.model import cached_timing
 
-    from mtpflow import forward
-
-    rows_native = native_linear.rows_enabled() and forward.supports(model)
-
-    def parse(stored: dict):  # the plans follow from the stored times, so a changed rule applies at once
+    def parse(stored: dict):
         ms = {int(r): {p: float(v) for p, v in by_plan.items()} for r, by_plan in stored["ms"].items()}
-        plans = fastest_plans(ms, rows_native) if set(ms) == set(ROW_BUCKETS) else ()
+        plans = fastest_plans(ms) if set(ms) == set(ROW_BUCKETS) else ()
         return plans if len(plans) == len(ROW_BUCKETS) and all(p in available_plans() for p in plans) else None
 
     def measure():
         try:
             return time_plans(model)
-        except (TypeError, ValueError, RuntimeError):  # an architecture whose forward wants more than input_ids
+        except (TypeError, ValueError, RuntimeError, AttributeError):  # a forward that wants more than input_ids
             return None
 
     def record(fastest: dict[tuple[int, str], float]):
         by_rows = {r: {p: v for (rows, p), v in fastest.items() if rows == r} for r in ROW_BUCKETS}
-        plans = fastest_plans(by_rows, rows_native)
+        plans = fastest_plans(by_rows)
         ms = {str(r): {p: round(1000 * v, 2) for p, v in by_rows[r].items()} for r in ROW_BUCKETS}
         return plans, {"plans": list(plans), "rows": list(ROW_BUCKETS), "ms": ms}
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
+from helpers import count_runs, hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
 from mtpflow.errors import ConfigError
 from mtpflow.kernels import cpu_linear, native_linear
 
@@ -181,8 +181,11 @@ def test_time_plans_runs_every_plan_and_restores_the_model():
     assert all(m._mtpflow_pack is None and m._mtpflow_panels is None for m in layers)  # timing copies freed
     cpu_linear.apply_plans(model, ("packed",) * 7)
     cpu_linear.time_plans(model, repeats=1)
-    assert all(m._mtpflow_pack is not None and m._mtpflow_panels is None and m._mtpflow_t is None
-               for m in layers)  # in use: kept; the transposed one-row copy is for the stock path only
+    # in use (the timing ran the lean forward, which fuses q/k/v and gate/up): the packed copies are kept; the
+    # transposed one-row copy is for the stock path only
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for m in (model.lm_head, attn.o_proj, mlp.down_proj, attn.__dict__["_mtpflow_qkv"], mlp.__dict__["_mtpflow_gate_up"]):
+        assert m._mtpflow_pack is not None and m._mtpflow_panels is None and m._mtpflow_t is None
 
 
 def test_a_model_whose_forward_cannot_be_timed_keeps_the_default_plans(tmp_path, monkeypatch):
@@ -211,12 +214,21 @@ def test_the_one_row_choice_is_timed_only_where_one_row_takes_the_stock_path(mon
     assert all(m._mtpflow_one_row_transposed for m in model.modules() if type(m) is cpu_linear.PackedLinear)
 
 
-def test_plans_credit_the_native_forward_where_it_applies():
-    """At 17 rows the 2-core AVX2 host timed native 71.09 ms and oneDNN 71.01: native wins where verify forwards
-    may run every layer natively (which the timing does not see), never in the prefill bucket."""
-    times = {"stock": 100.0, "packed": 71.01, "head": 90.0, "native": 71.09}
-    ms = {r: dict(times) for r in cpu_linear.ROW_BUCKETS}
-    assert cpu_linear.fastest_plans(ms, rows_native=False) == ("packed",) * len(cpu_linear.ROW_BUCKETS)
-    assert cpu_linear.fastest_plans(ms, rows_native=True) == ("native",) * (len(cpu_linear.ROW_BUCKETS) - 1) + ("packed",)
-    ms[17]["native"] = 90.0  # past the credit: the faster plan still wins
-    assert cpu_linear.fastest_plans(ms, rows_native=True)[cpu_linear.ROW_BUCKETS.index(17)] == "packed"
+def test_plans_are_timed_through_the_forward_decoding_runs(monkeypatch):
+    """The native plan's verify buckets run every layer in one native call where the model allows it (what a
+    verify does), so the timing sees what that saves; the prefill bucket runs the lean forward, last row only."""
+    from mtpflow import forward
+
+    if not native_linear.available():
+        pytest.skip("the native kernel cannot be built here")
+    model = make_tiny_model(64, layers=2)
+    cpu_linear.install(model, plans=cpu_linear.DEFAULT_PLANS)
+    natives = count_runs(monkeypatch, forward, "native_rows")
+    kept = []
+    real_run = forward.run
+    monkeypatch.setattr(forward, "run", lambda *a, **k: kept.append(k.get("logits_to_keep")) or real_run(*a, **k))
+    cpu_linear.time_plans(model, repeats=1)
+    verify_buckets = [r for r in cpu_linear.ROW_BUCKETS if r < cpu_linear.ROW_BUCKETS[-1]]
+    assert len(natives) >= len(verify_buckets)  # the native plan, after the warm-up round fused the model
+    assert {m for (logits, _, _) in natives for m in [logits.shape[0]]} <= set(verify_buckets)
+    assert 1 in kept  # prefills keep the last row's logits only
