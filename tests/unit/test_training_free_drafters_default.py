@@ -1,5 +1,5 @@
 """Token recycling and the suffix cache on the embedded default model (SmolLM2-135M-Instruct): token for token
-equal to HF greedy generate, alone and grafted into ``mtp`` (its default); a request repeated in the same pipeline is drafted
+equal to HF greedy generate, alone and grafted into ``mtp_heads`` (its default); a request repeated in the same pipeline is drafted
 from its earlier output (MAL >= 8)."""
 from __future__ import annotations
 
@@ -43,8 +43,14 @@ def test_default_model_lossless(default_loaded, strategy, overrides, drafters):
     assert all(accepted.values()), accepted  # each drafter's own tokens were drafted and accepted
 
 
+# The verify-cost curve the pruner sizes trees with, as measured on the 2-core AVX2 host in a quiet hour (seconds per
+# verify forward by draft size). The suite measures its own in a fresh cache while it loads the machine, and one
+# such curve kept trees small enough for a CI run to reach MAL 7.9; this test is about what the suffix cache drafts.
+QUIET_COSTS = "strategy.prune.0.costs={0:0.0152,1:0.0184,2:0.0209,3:0.0276,4:0.0281,6:0.0368,8:0.0412,12:0.0561,16:0.0671}"
+
+
 def test_a_repeated_request_reaches_mal_8_with_the_suffix_cache(default_loaded):
-    pipe = make_pipeline(default_loaded, "suffix_cache", "max_new_tokens=80", "trace=off")
+    pipe = make_pipeline(default_loaded, "suffix_cache", "max_new_tokens=80", "trace=off", QUIET_COSTS)
     prompt = "Explain in a short paragraph how a hash table works."
     first = pipe(prompt)
     again = pipe(prompt)
