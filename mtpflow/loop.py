@@ -26,6 +26,10 @@ from mtpflow.types import (
 )
 
 MAX_K = 64  # upper bound on draft depth accepted from any K selector
+# steps a batch that stopped drafting (its last drafts' sizes said no draft pays) goes without proposing before it
+# proposes again: the sizes are refreshed (a lookup that found nothing last time may find a match now) and the
+# batch may have shrunk to where drafts pay; the cap after proposing still cuts what does not pay
+RETRY_DRAFTS_EVERY = 4
 StepCallback = Callable[[StepRecord | None, list[int]], None]
 
 
@@ -121,6 +125,7 @@ class Sequence:
         # this sequence's draft acceptance (per position), for the engine's batch-aware cap
         self.acceptance = DecayedAcceptance(prior=0.5)
         self.last_draft_size: int | None = None  # nodes of the last draft it planned (the batch's K forecast)
+        self.skipped_plans = 0  # steps in a row it was told not to draft (max_k = 0)
 
     @property
     def done(self) -> bool:
@@ -166,6 +171,7 @@ class Sequence:
         state, hook, target = self.state, self.hook, self.target
         t_step = time.perf_counter()
         self.timer.seconds.clear()
+        self.skipped_plans = self.skipped_plans + 1 if max_k == 0 else 0
         remaining = self.context.max_new_tokens - state.num_generated
         room = self.loaded.max_context - (state.next_position - target.position_shift) - 1  # see Target.keep
         if room < 0:
@@ -368,7 +374,8 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
     the rows per sequence of the shared forward (the engine's batch-aware K: drafts are cut to their first
     ``cap - 1`` nodes, a prefix of a topologically ordered tree is a tree). Before drafting, the same rule runs
     on each sequence's last draft size: when it says no draft pays (cap 1), nobody drafts this step, so the
-    batch does not pay for proposals it would cut. A sequence whose stage raises is
+    batch does not pay for proposals it would cut; every ``RETRY_DRAFTS_EVERY`` such steps they propose again
+    (the sizes refresh, and a batch that shrank may now gain from drafts). A sequence whose stage raises is
     handed to ``on_error`` (or the exception propagates) and leaves the step; the others go on."""
     def guarded(seq, fn):
         try:
@@ -380,7 +387,7 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
             return _FAILED
 
     max_k = None
-    if rows_cap is not None and len(sequences) > 1:
+    if rows_cap is not None and len(sequences) > 1 and max(s.skipped_plans for s in sequences) < RETRY_DRAFTS_EVERY:
         forecast = [s.last_draft_size for s in sequences]
         if all(n is not None for n in forecast) and rows_cap(sequences, forecast) == 1:
             max_k = 0

@@ -20,6 +20,7 @@ from mtpflow.cost_model import BatchCostModel
 from mtpflow.engine import Engine, QueueFull
 from mtpflow.errors import UserError
 from mtpflow.hookspecs import hookimpl
+from mtpflow.loop import RETRY_DRAFTS_EVERY
 from mtpflow.model import LoadedModel
 from mtpflow.request import Request
 
@@ -159,9 +160,34 @@ def test_batch_aware_cap_follows_the_cost_model_and_stays_lossless(tiny, cheap):
         drafted += result.stats["draft_tokens"]
         steps += result.stats["verify_forwards"]
     assert (drafted > 0) == cheap
-    # dear: each proposer drafts in the first step (its size is unknown), then rarely (a retry as its
-    # rejections fade); cheap: every step but a sequence's last (one token left: K = 0)
-    assert len(calls) >= 4 and (len(calls) >= steps - 4 if cheap else len(calls) < steps / 4), (len(calls), steps)
+    # dear: each proposer drafts in the first step (its size is unknown), then once every RETRY_DRAFTS_EVERY + 1
+    # steps (the sizes refresh); cheap: every step but a sequence's last (one token left: K = 0)
+    every = RETRY_DRAFTS_EVERY + 1
+    assert len(calls) >= 4 and (len(calls) >= steps - 4 if cheap else len(calls) <= 4 + steps / every + 4), \
+        (len(calls), steps)
+
+
+def test_a_batch_that_stopped_drafting_drafts_again_when_it_pays(tiny):
+    """Proposers that find nothing in the first steps (a lookup before its first match) leave a forecast of empty
+    drafts, so the batch stops asking them; it asks again every ``RETRY_DRAFTS_EVERY`` steps, and with drafting
+    cheap their later drafts run (before, the batch never drafted again). Output: HF greedy."""
+    engine = make_engine(tiny, "max_batch_size=4")
+    engine.batch_k = "auto"
+    engine._batch_costs = BatchCostModel({(b, q): 1.0 + 0.001 * b * (q - 1) for b in (1, 4, 16) for q in (1, 3, 9, 17)})
+    prompt = random_prompts(1, seed=7)[0]
+    reference = hf_greedy(tiny.model, prompt, NEW)
+    oracles = []
+    for i in range(4):
+        oracle = OracleTreeProposer(reference, len(tiny.tokenizer), seed=i, wrong_rate=0.1, branch=1)
+        oracle.propose = (lambda f: hookimpl(lambda state, k: f(state, k) if state.step >= 3 else None))(oracle.propose)
+        oracles.append(oracle)
+    with engine._lock:
+        handles = [engine.submit(Request(prompt_ids=prompt, strategy="baseline", overrides={"k": 4}),
+                                 extra_plugins=(oracle,)) for oracle in oracles]
+    results = [h.result() for h in handles]
+    engine.close()
+    assert all(r.token_ids == reference for r in results)
+    assert all(r.stats["accepted_tokens"] > 0 for r in results)
 
 
 class FailsAtStep:
