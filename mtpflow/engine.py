@@ -37,6 +37,7 @@ from mtpflow.plugins import build_stages, make_plugin_manager
 from mtpflow.prefix_cache import PrefixKVCache
 from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
 from mtpflow.shared import SharedState
+from mtpflow.target import prefill_many
 from mtpflow.types import DecodeResult
 
 IDLE_EXIT_SECONDS = 10.0
@@ -420,45 +421,69 @@ class Engine:
     def _admit(self) -> None:
         """Start waiting requests while there is room: all of them into an idle engine; while others decode,
         as many as fit in ``prefill_tokens_per_step`` prompt tokens (always at least one), so joining
-        requests stall the running ones for a bounded time."""
+        requests stall the running ones for a bounded time. The ones admitted together are prefilled together
+        (``_start``)."""
         budget = self.max_batch_size - len(self._running)
         tokens_left = self.prefill_tokens_per_step if self._running else None
-        admitted = 0
+        admitted: list[RequestHandle] = []
         while budget > 0:
             with self._lock:
                 if not self._queue:
-                    return
+                    break
                 handle = self._queue[0]
                 size = int(handle.prepared.prompt_ids.numel())
                 if tokens_left is not None and admitted and size > tokens_left:
-                    return
+                    break
                 self._queue.popleft()
             if handle._cancelled:
                 handle._finish(INTERRUPTED, None, None)
                 continue
             budget -= 1
-            admitted += 1
+            admitted.append(handle)
             if tokens_left is not None:
                 tokens_left -= size
-            self._start(handle)
+        if admitted:
+            self._start(admitted)
 
-    def _start(self, handle: RequestHandle) -> None:
-        p = handle.prepared
-        seq = None
-        try:
-            prefix_cache = self.shared.get("prefix_kv", lambda: PrefixKVCache(self.prefix_cache_bytes)) \
-                if self.prefix_cache_bytes else None
-            seq = Sequence(handle._plugin_manager, self.loaded, p.context, stop=p.stop, need_hidden=p.need_hidden,
-                           context_window=p.context_window, pool=self.pool, on_step=handle._on_step,
-                           keep_steps=handle._keep_steps, prefix_cache=prefix_cache)
-            handle.status = RUNNING
-            self._running.append((seq, handle))
-            seq.start()
-        except BaseException as exc:  # noqa: BLE001 - the request fails alone
-            self._end(seq, handle, exc)
+    def _start(self, handles: list[RequestHandle]) -> None:
+        """Begin each request (its run-start hooks, a KV slot), prefill them in as few forwards as the model allows
+        (``target.prefill_many``: packed rows), then give each its first token. A request whose hooks fail ends
+        alone; if the shared prefill fails, each prompt is prefilled again alone, so only a request whose own
+        prefill fails ends with it."""
+        prefix_cache = self.shared.get("prefix_kv", lambda: PrefixKVCache(self.prefix_cache_bytes)) \
+            if self.prefix_cache_bytes else None
+        begun: list[tuple[Sequence, RequestHandle, torch.Tensor]] = []
+        for handle in handles:
+            p = handle.prepared
+            seq = None
+            try:
+                seq = Sequence(handle._plugin_manager, self.loaded, p.context, stop=p.stop, need_hidden=p.need_hidden,
+                               context_window=p.context_window, pool=self.pool, on_step=handle._on_step,
+                               keep_steps=handle._keep_steps, prefix_cache=prefix_cache)
+                handle.status = RUNNING
+                self._running.append((seq, handle))
+                begun.append((seq, handle, seq.begin()))
+            except BaseException as exc:  # noqa: BLE001 - the request fails alone
+                self._end(seq, handle, exc)
+        if not begun:
             return
-        if seq.done:
-            self._end(seq, handle, None)
+        try:
+            prefills = prefill_many([s.target for s, _, _ in begun], [p for _, _, p in begun], prefix_cache)
+        except BaseException:  # noqa: BLE001 - retried one by one below: a bad prompt fails alone
+            prefills = [None] * len(begun)
+            for seq, _, _ in begun:
+                seq.target.cache_len = 0
+        for (seq, handle, prompt), done in zip(begun, prefills):
+            try:
+                if done is None:
+                    done = (*seq.target.prefill(prompt), 0) if prefix_cache is None else \
+                        seq.target.prefill_cached(prompt, prefix_cache)
+                seq.started(*done)
+            except BaseException as exc:  # noqa: BLE001 - the request fails alone
+                self._end(seq, handle, exc)
+                continue
+            if seq.done:
+                self._end(seq, handle, None)
 
     def _step(self) -> None:
         for seq, handle in list(self._running):

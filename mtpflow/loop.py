@@ -133,23 +133,37 @@ class Sequence:
 
     # ----- start: run-start hooks and the prefill ---------------------------------------------------------
     def start(self) -> None:
+        """Run-start hooks, the prefill (alone) and the first token; the engine starts several sequences
+        together through ``begin``, ``target.prefill_many`` and ``started`` instead."""
+        prompt = self.begin()
+        if self.prefix_cache is None:
+            logits, hidden = self.target.prefill(prompt)
+            reused = 0
+        else:
+            logits, hidden, reused = self.target.prefill_cached(prompt, self.prefix_cache)
+        self.started(logits, hidden, reused)
+
+    def begin(self) -> torch.Tensor:
+        """Run-start hooks and the KV slot; returns the prompt tokens to prefill."""
         self.t_start = time.perf_counter()
         context, stats = self.context, self.stats
         self.generator = torch.Generator().manual_seed(int(context.seed))
-        extras: dict[str, Any] = {"rng": self.generator}
+        self._extras: dict[str, Any] = {"rng": self.generator}
         for found in self.hook.on_run_start(context=context):
             if found:
-                extras.update(found)
+                self._extras.update(found)
                 stats.extras.update({k: v for k, v in found.items() if isinstance(v, (int, float, str, bool))})
-        prompt = context.prompt_tokens
         self.target = Target(self.loaded.model, need_hidden=self.need_hidden, pool=self.pool)
-        extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
-        if self.prefix_cache is None:
-            logits, hidden = self.target.prefill(prompt)
-        else:
-            logits, hidden, reused = self.target.prefill_cached(prompt, self.prefix_cache)
-            if reused:
-                stats.extras["prefix_cached_tokens"] = reused
+        self._extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
+        return context.prompt_tokens
+
+    def started(self, logits: torch.Tensor, hidden: torch.Tensor | None, reused: int = 0) -> None:
+        """After the prefill (its last row's ``logits``, the prompt's ``hidden`` taps, ``reused`` prompt tokens
+        that came from the prefix cache): the first token and the decode state."""
+        context, stats = self.context, self.stats
+        prompt = context.prompt_tokens
+        if reused:
+            stats.extras["prefix_cached_tokens"] = reused
         stats.prefill_seconds = time.perf_counter() - self.t_start
         first = choose(logits[-1], context.sampling, self.generator)
         stats.time_to_first_token = time.perf_counter() - self.t_start
@@ -158,7 +172,7 @@ class Sequence:
             tokens=torch.cat([prompt, torch.tensor([first], dtype=torch.long)]), prompt_len=int(prompt.numel()),
             step=0, next_position=int(prompt.numel()), sampling=context.sampling,
             max_new_tokens=context.max_new_tokens, hidden=hidden, context_window=self.context_window,
-            extras=extras,
+            extras=self._extras,
         )
         if self.on_step:
             self.on_step(None, [first])

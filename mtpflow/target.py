@@ -94,23 +94,30 @@ class Target:
         """``prefill`` through a prefix cache: the longest stored prefix of ``tokens`` is copied into this (empty)
         cache and only the rest runs; then the prompt's whole blocks are stored for later prompts. Returns
         ``(logits, hidden, reused)``, ``reused`` the prompt tokens that came from the cache."""
+        reused, hashes, stored = self._reuse_prefix(tokens, prefix_cache)
+        logits, rest = self.prefill(tokens[reused:], start_position=reused)
+        hidden = _join_hidden(stored, rest)
+        self._store_prefix(tokens, prefix_cache, hidden, hashes)
+        return logits, hidden, reused
+
+    def _reuse_prefix(self, tokens: torch.Tensor, prefix_cache: PrefixKVCache):
+        """Copy the longest stored prefix of ``tokens`` into this (empty) cache: (its length, the prompt's block
+        hashes, the stored taps of those positions or None)."""
         hashes = block_hashes(tokens, int(tokens.numel()))
         hit = prefix_cache.lookup(tokens, self.taps, hashes)
-        reused = 0
         if hit is None:
-            logits, hidden = self.prefill(tokens)
-        else:
-            entry, reused = hit
-            self.pool.ensure(reused)
-            for layer in range(self.pool.num_layers):
-                self.kv.set_layer(layer, entry.keys[layer][None, :, :reused], entry.values[layer][None, :, :reused])
-            self.kv.length = reused
-            logits, rest = self.prefill(tokens[reused:], start_position=reused)
-            hidden = None if rest is None else torch.cat([entry.hidden[:reused], rest])
+            return 0, hashes, None
+        entry, reused = hit
+        self.pool.ensure(reused)
+        for layer in range(self.pool.num_layers):
+            self.kv.set_layer(layer, entry.keys[layer][None, :, :reused], entry.values[layer][None, :, :reused])
+        self.kv.length = reused
+        return reused, hashes, (None if entry.hidden is None else entry.hidden[:reused])
+
+    def _store_prefix(self, tokens: torch.Tensor, prefix_cache: PrefixKVCache, hidden, hashes) -> None:
         n, row = int(tokens.numel()), self.kv.slot
         prefix_cache.store(tokens, [k[row, :, :n] for k in self.pool.keys], [v[row, :, :n] for v in self.pool.values],
                            taps=self.taps, hidden=hidden, hashes=hashes)
-        return logits, hidden, reused
 
     @torch.inference_mode()
     def prefill(self, tokens: torch.Tensor, start_position: int = 0):
@@ -167,6 +174,80 @@ class Target:
             self.kv.set_layer(layer, keys, values)
         self.position_shift += self.cache_len - int(index.numel())
         self.cache_len = int(index.numel())
+
+
+# prompt rows per packed prefill forward (``prefill_many``): bounds its activations (about 12 KB per row for the
+# default model's widest product, 25 MB at 2,048 rows); a longer prompt is prefilled alone
+PACKED_PREFILL_ROWS = 2048
+
+
+def _join_hidden(stored, rest):
+    if rest is None:
+        return None
+    return rest if stored is None else torch.cat([stored, rest])
+
+
+@torch.inference_mode()
+def prefill_many(targets: list[Target], prompts: list[torch.Tensor], prefix_cache: PrefixKVCache | None = None):
+    """Prefill several new sequences (empty caches) at once: ``(logits [1, vocab], hidden, reused)`` per target,
+    as ``Target.prefill_cached`` returns. Where the model takes the lean forward, the prompts (each after the
+    prefix it reuses from ``prefix_cache``) run packed, up to ``PACKED_PREFILL_ROWS`` rows per forward
+    (``mtpflow.forward.forward_packed``: the products over every row at once, attention per sequence); else
+    one by one. Prompts that start alike in one group do not reuse each other's prefix (each is looked up
+    before any is stored)."""
+    reuse = [t._reuse_prefix(p, prefix_cache) if prefix_cache is not None else (0, None, None)
+             for t, p in zip(targets, prompts)]
+    rests = [p[r[0]:] for p, r in zip(prompts, reuse)]
+    outputs: list = [None] * len(targets)
+    model = targets[0].model
+    packable = len(targets) > 1 and lean_forward.supports(model)
+    group: list[int] = []
+
+    def run_group():
+        if len(group) == 1:
+            i = group[0]
+            outputs[i] = targets[i].prefill(rests[i], start_position=reuse[i][0])
+        elif group:
+            outputs_group = _prefill_packed(model, [targets[i] for i in group], [rests[i] for i in group],
+                                            [reuse[i][0] for i in group])
+            for i, out in zip(group, outputs_group):
+                outputs[i] = out
+        group.clear()
+
+    rows = 0
+    for i, rest in enumerate(rests):
+        n = int(rest.numel())
+        if not packable or (group and rows + n > PACKED_PREFILL_ROWS):
+            run_group()
+            rows = 0
+        group.append(i)
+        rows += n
+    run_group()
+    results = []
+    for target, prompt, (reused, hashes, stored), (logits, rest) in zip(targets, prompts, reuse, outputs):
+        hidden = _join_hidden(stored, rest)
+        if prefix_cache is not None:
+            target._store_prefix(prompt, prefix_cache, hidden, hashes)
+        results.append((logits, hidden, reused))
+    return results
+
+
+def _prefill_packed(model, targets: list[Target], tokens: list[torch.Tensor], starts: list[int]):
+    """One packed forward over several targets' prompt rows: (logits [1, vocab], taps [n, ...] or None) each."""
+    device = targets[0].device
+    taps = tuple(sorted({t for target in targets for t in target.taps}))
+    caches = [target.kv.view() for target in targets]
+    positions = [torch.arange(start, start + int(t.numel()), device=device) for start, t in zip(starts, tokens)]
+    logits, hidden = lean_forward.forward_packed(model, [t.to(device) for t in tokens], positions, caches, taps)
+    out = []
+    for i, (target, cache) in enumerate(zip(targets, caches)):
+        target.kv.length = cache.layers[0].length
+        target.forwards += 1
+        own = None
+        if hidden is not None and target.taps:
+            own = _own_taps(hidden[i], taps, target.taps).float()
+        out.append((logits[i:i + 1].float(), own))
+    return out
 
 
 @torch.inference_mode()

@@ -14,7 +14,7 @@ import pytest
 import torch
 from scipy.stats import chi2_contingency
 
-from helpers import OracleTreeProposer, hf_greedy, make_tiny_model, make_tiny_tokenizer
+from helpers import OracleTreeProposer, count_runs, hf_greedy, make_tiny_model, make_tiny_tokenizer
 from mtpflow.config import compose
 from mtpflow.cost_model import BatchCostModel
 from mtpflow.engine import Engine, QueueFull
@@ -55,9 +55,9 @@ def test_admission_idle_takes_all_running_takes_the_step_token_budget(tiny, monk
     starts = []  # (engine step at admission, prompt length)
     real_start = Engine._start
 
-    def recording(self, handle):
-        starts.append((self.steps, int(handle.prepared.prompt_ids.numel())))
-        return real_start(self, handle)
+    def recording(self, handles):
+        starts.extend((self.steps, int(h.prepared.prompt_ids.numel())) for h in handles)
+        return real_start(self, handles)
 
     monkeypatch.setattr(Engine, "_start", recording)
     engine = make_engine(tiny, "strategy=baseline", "max_batch_size=8", "prefill_tokens_per_step=25")
@@ -92,6 +92,48 @@ def test_admission_idle_takes_all_running_takes_the_step_token_budget(tiny, monk
     assert steps[0] == steps[1] < steps[2] == steps[3] < steps[4]  # 10 + 10 fit in 25 tokens, a third does not
     for prompt, result in zip(short, results):
         assert result.token_ids == hf_greedy(tiny.model, prompt, 8)
+
+
+def test_requests_admitted_together_are_prefilled_in_one_packed_forward(tiny, monkeypatch):
+    """An idle engine prefills a ``submit_many`` list in packed forwards of at most ``PACKED_PREFILL_ROWS`` prompt
+    rows (one here; two with an 80-row bound, and a prompt alone), and every request still decodes as HF greedy."""
+    from mtpflow import forward as lean
+    from mtpflow import target
+
+    packs = count_runs(monkeypatch, lean, "forward_packed")
+    prompts = random_prompts(6, seed=21)
+    engine = make_engine(tiny, "max_batch_size=8", "prefix_cache_mb=0")  # the second pass prefills whole prompts
+    try:
+        requests = [Request(prompt_ids=p, strategy=STRATEGIES[i][0], overrides=STRATEGIES[i][1])
+                    for i, p in enumerate(prompts)]
+        results = engine.generate(requests)
+        assert len(packs) == 1
+        monkeypatch.setattr(target, "PACKED_PREFILL_ROWS", 80)
+        packs.clear()
+        again = engine.generate(requests)
+    finally:
+        engine.close()
+    lengths = [len(p) for p in prompts]
+    assert lengths == [51, 37, 38, 36, 36, 2] and len(packs) == 2  # 51 alone | 37 + 38 | 36 + 36 + 2
+    for prompt, result, other in zip(prompts, results, again):
+        assert result.token_ids == other.token_ids == hf_greedy(tiny.model, prompt, NEW)
+
+
+def test_a_failing_packed_prefill_falls_back_to_each_prompt_alone(tiny, monkeypatch):
+    from mtpflow import forward as lean
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("packed prefill broke")
+
+    monkeypatch.setattr(lean, "forward_packed", broken)
+    prompts = random_prompts(4, seed=22)
+    engine = make_engine(tiny, "strategy=baseline")
+    try:
+        results = engine.generate([Request(prompt_ids=p) for p in prompts])
+    finally:
+        engine.close()
+    for prompt, result in zip(prompts, results):
+        assert result.token_ids == hf_greedy(tiny.model, prompt, NEW)
 
 
 @pytest.mark.parametrize("max_batch_size", [1, 4, 16])

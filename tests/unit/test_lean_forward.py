@@ -374,3 +374,45 @@ def test_native_rows_follow_a_weight_changed_in_place(monkeypatch):
     after = logits(True)
     assert not torch.allclose(before, after, atol=1e-3)
     torch.testing.assert_close(after, logits(False), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("plan", ["none", "stock", "packed", "native"])
+def test_packed_prefill_computes_each_prompts_own_prefill(plan, monkeypatch):
+    """``target.prefill_many`` runs several prompts' rows in one forward (products over every row, attention per
+    sequence): each sequence gets the logits, taps and cache entries its prefill alone gives, a 1-token prompt
+    and one that starts after a reused prefix included."""
+    from mtpflow.kernels import cpu_linear, native_linear
+    from mtpflow.prefix_cache import BLOCK, PrefixKVCache
+    from mtpflow.target import Target, prefill_many
+
+    if plan == "native" and not native_linear.available():
+        pytest.skip("the native kernel cannot be built here")
+    model = make_tiny_model(96, layers=3)
+    if plan != "none":
+        cpu_linear.install(model, plans=(plan,) * len(cpu_linear.ROW_BUCKETS))
+    g = torch.Generator().manual_seed(5)
+    system = torch.randint(1, 96, (BLOCK + 2,), generator=g)
+    prompts = [torch.randint(1, 96, (n,), generator=g) for n in (9, 1, 23)]
+    prompts.append(torch.cat([system, torch.randint(1, 96, (6,), generator=g)]))  # reuses the stored system prompt
+    taps = [(), (-1,), (0, -1), ()]
+    pool = KVPool(model, max_slots=2 * len(prompts) + 1)
+    packs = count_runs(monkeypatch, lean, "forward_packed")
+    with cpu_linear.packed(plan != "none"), torch.inference_mode():
+        prefix = PrefixKVCache(max_bytes=10**8)
+        Target(model, need_hidden=False, pool=pool).prefill_cached(torch.cat([system, torch.tensor([3])]), prefix)
+        alone = [Target(model, need_hidden=t, pool=pool) for t in taps]
+        want = [a.prefill(p) for a, p in zip(alone, prompts)]
+        together = [Target(model, need_hidden=t, pool=pool) for t in taps]
+        got = prefill_many(together, prompts, prefix)
+    assert len(packs) == 1 and [reused for _, _, reused in got] == [0, 0, 0, BLOCK]
+    for (logits, hidden, _), (w_logits, w_hidden), t, a, b, p in zip(got, want, taps, alone, together, prompts):
+        torch.testing.assert_close(logits, w_logits, rtol=1e-5, atol=1e-5)
+        assert (hidden is None) == (not t)
+        if t:
+            torch.testing.assert_close(hidden, w_hidden, rtol=1e-5, atol=1e-5)
+        assert a.cache_len == b.cache_len == p.numel()
+        for layer in range(pool.num_layers):
+            torch.testing.assert_close(b.kv.keys(layer), a.kv.keys(layer), rtol=1e-5, atol=1e-5)
+            n = int(p.numel())
+            torch.testing.assert_close(pool.values[layer][b.kv.slot, :, :n], pool.values[layer][a.kv.slot, :, :n],
+                                       rtol=1e-5, atol=1e-5)
