@@ -356,9 +356,13 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
     if (!buf) return -1;
     float *x = buf, *tmp = x + (size_t)M * H, *qkv = tmp + (size_t)M * H, *att = qkv + (size_t)M * nqkv,
           *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I, *scores = act + (size_t)M * I;
+    /* the per-row loops between the products run on the threads from 4 rows on (each row's arithmetic is the
+     * same: bit-identical output; below 4 rows a parallel region costs more than it saves) */
     for (int l = 0; l < L; l++) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, ln1[l], eps, x + (size_t)r * H, H);
         product(x, wqkv[l], pqkv ? pqkv[l] : NULL, qkv, M, nqkv, H, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) {
             float *q = qkv + (size_t)r * nqkv, *k = q + nq, *v = k + nk;
             const float *c = cos + (size_t)r * d, *sn = sin + (size_t)r * d;
@@ -401,8 +405,10 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
         }
         product(att, wo[l], po ? po[l] : NULL, tmp, M, H, nq, threads);
         for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, ln2[l], eps, x + (size_t)r * H, H);
         product(x, wgu[l], pgu ? pgu[l] : NULL, gu, M, 2 * I, H, threads);
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) {
             const float *g = gu + (size_t)r * 2 * I, *u = g + I;
             float *a = act + (size_t)r * I;
