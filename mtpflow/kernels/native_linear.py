@@ -113,7 +113,7 @@ def available() -> bool:
 @functools.lru_cache(maxsize=None)
 def panel_min_rows(lib: ctypes.CDLL | None = None) -> int:
     """From how many rows the panel kernel runs (where the caller has panels): the build's own threshold
-    (``PANEL_MIN_ROWS`` in small_gemm.c: 6 with AVX-512, 3 with 8-float vectors)."""
+    (``PANEL_MIN_ROWS`` in small_gemm.c: 1 with AVX-512, 3 with 8-float vectors)."""
     lib = library() if lib is None else lib
     return lib.mtpflow_panel_min_rows() if lib is not None else 0
 

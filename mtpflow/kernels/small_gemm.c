@@ -11,9 +11,9 @@
  * 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
  * runtime: torch has loaded libgomp.so.1 before this library is opened).
  *
- * On AVX2 builds 1-2 rows instead read one weight row at a time (one sequential stream per thread), and the
- * caller starts the panels at 3 rows (PANEL_MIN_ROWS, read by native_linear.panel_min_rows); both measured
- * below.
+ * The caller starts the panels at PANEL_MIN_ROWS rows (read by native_linear.panel_min_rows): 1 on AVX-512
+ * builds, where the panels' sequential streams beat the row blocks at every row count; 3 on AVX2 builds, where
+ * 1-2 rows instead read one weight row at a time (one sequential stream per thread); all measured below.
  *
  * Portable C with GCC vector extensions: 16-float vectors where the compiler targets AVX-512, else 8-float
  * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
@@ -30,7 +30,12 @@
 #define VW 16     /* floats per vector */
 #define MB_MAX 6  /* input rows per block: 4 x 6 accumulators + 4 weight vectors + 1 input vector <= 32 registers */
 #define PANEL_MB 6
-#define PANEL_MIN_ROWS 6  /* the 4 x 6 row blocks win below this */
+/* the panels from one row: on a 2-core Zen 4 (AVX-512) host the default model's 30 layers of products, each
+ * layer's own weights streamed from memory, best of 15: 1 / 2 / 3 / 5 rows 14.9 / 14.8 / 14.3 / 19.0 ms through
+ * panels against 18.7 / 20.3 / 20.5 / 23.5 through the 4 x 6 row blocks; whole verify forwards of one sequence,
+ * both thresholds interleaved in one process, best of 10, 1 / 3 / 5 rows 13.9 / 16.4 / 18.9 ms against
+ * 25.6 / 28.1 / 30.3 (a busier second run: 1 / 2 / 3 rows 23.1 / 22.3 / 23.3 against 30.2 / 30.5 / 32.5) */
+#define PANEL_MIN_ROWS 1
 #else
 #define VW 8
 #define MB_MAX 2  /* 4 x 2 accumulators + 4 + 1 <= 16 registers */
@@ -157,7 +162,7 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
  * one row 9.8-13.5 ms against 16.4-16.8 with 4 x 2 blocks, two rows 10.7-12.3 against 17.2-17.9, the
  * 49152-row LM head 2.2-3.4 against 4.3-4.4; three rows 22 against 19 (more streams of input rows than the
  * loop hides), and from 3 rows the panel kernel is faster still (PANEL_MIN_ROWS). AVX-512 builds
- * keep the blocks (not measured there). */
+ * take the panels from one row (PANEL_MIN_ROWS above). */
 #define ONE_ROW_MAX 2
 #if defined(__FMA__) && defined(__AVX2__)  /* immintrin.h is included above for AVX2 */
 static inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a); }

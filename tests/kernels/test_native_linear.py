@@ -46,13 +46,42 @@ def test_the_avx2_build_matches_f_linear(tmp_path):
     lib = native_linear.load(out)
     assert lib.mtpflow_vector_width() == 8  # really the 8-float code path
     torch.manual_seed(0)
-    for rows in (1, 2, 3, 6, 13):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17):  # the one-row path, 3-row tiles, remainders
         for out_f, in_f in ((5, 17), (130, 576), (33, 1544)):
             x, w, b = torch.randn(rows, in_f), torch.randn(out_f, in_f), torch.randn(out_f)
             ref = F.linear(x, w, b)
             tol = dict(rtol=1e-4, atol=1e-4 * in_f ** 0.5)
             torch.testing.assert_close(native_linear.linear(x, w, b, lib=lib), ref, **tol)
             torch.testing.assert_close(native_linear.linear(x, w, b, native_linear.pack_panels(w), lib=lib), ref, **tol)
+
+
+@needs_native
+@pytest.mark.parametrize("avx2", [False, True])
+def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(tmp_path, avx2):
+    """Every panel tile (1-6 rows) sums each output over k in the same order, so a row's product through the
+    panel kernel is bit-identical whether it runs alone or among 2-20 rows (other tiles): a sequence's logits
+    from the panels do not change with the rows of other sequences verified beside it."""
+    lib = native_linear.library()
+    if avx2:
+        out = tmp_path / "avx2.so"
+        if not native_linear.build(native_linear.compiler(), out, (*native_linear.FLAGS, "-mno-avx512f")):
+            pytest.skip("the compiler cannot target AVX2 without AVX-512 here")
+        lib = native_linear.load(out)
+    torch.manual_seed(1)
+    w = torch.randn(200, 576)
+    panels = native_linear.pack_panels(w)
+    x = torch.randn(20, 576)
+
+    def panel_product(rows: torch.Tensor) -> torch.Tensor:
+        y = torch.empty(rows.shape[0], w.shape[0])
+        lib.mtpflow_panel_gemm(rows.data_ptr(), panels.data_ptr(), None, y.data_ptr(), rows.shape[0], w.shape[0],
+                               w.shape[1], torch.get_num_threads())
+        return y
+
+    alone = torch.cat([panel_product(x[i:i + 1].contiguous()) for i in range(20)])
+    torch.testing.assert_close(alone, F.linear(x, w), rtol=1e-4, atol=1e-3)
+    for rows in range(2, 21):
+        assert torch.equal(panel_product(x[:rows].contiguous()), alone[:rows]), rows
 
 
 @needs_native
