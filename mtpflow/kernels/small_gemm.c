@@ -338,6 +338,110 @@ static inline float dot(const float *a, const float *b, int d) {
     return s;
 }
 
+/* ---- attention over a sequence's cached prefix, vectorized: the prefix's scores four keys at a time (no mask
+ * there: every row sees its whole prefix), their exponentials VW at a time, the weighted values with the output
+ * row in registers. The new entries of the row's own tree (a handful, masked) take the scalar loop. */
+typedef int ivec __attribute__((vector_size(VW * 4)));
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline vec select_lt(vec a, vec b, vec if_less, vec otherwise) {  /* a < b ? if_less : otherwise */
+    const ivec m = (ivec)(a < b);
+    return (vec)(((ivec)if_less & m) | ((ivec)otherwise & ~m));
+}
+
+/* e^x after Cephes' expf: x = n ln2 + r (|r| <= ln2 / 2), a degree-6 polynomial in r, times 2^n (about 1 ulp
+ * from expf); x is clamped to [-87, 88]: below -87 it is about 1e-38, not 0, which no softmax weight or SiLU
+ * can tell apart */
+static inline vec vexp(vec x) {
+    x = select_lt(x, splat(-87.0f), splat(-87.0f), x);
+    x = select_lt(splat(88.0f), x, splat(88.0f), x);
+    vec fx = x * 1.44269504088896341f + 0.5f;
+    vec t = __builtin_convertvector(__builtin_convertvector(fx, ivec), vec);  /* truncation, then floor: */
+    t = t - (vec)((ivec)splat(1.0f) & (ivec)(t > fx));
+    x = x - t * 0.693359375f - t * -2.12194440e-4f;
+    vec y = splat(1.9875691500e-4f);
+    y = y * x + 1.3981999507e-3f;
+    y = y * x + 8.3334519073e-3f;
+    y = y * x + 4.1665795894e-2f;
+    y = y * x + 1.6666665459e-1f;
+    y = y * x + 5.0000001201e-1f;
+    y = y * (x * x) + x + 1.0f;
+    const ivec n = __builtin_convertvector(t, ivec);
+    return y * (vec)((n + 127) << 23);
+}
+
+#define ATT_MAX_VECS (128 / VW)  /* head sizes up to 128 take the vector path (d a multiple of VW) */
+
+/* one query head's attention output o[d] over keys / values [n][d], of which the first n0 are all visible and
+ * the rest only where own[t - n0]; s: scratch for n scores */
+static void attend(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0, int n,
+                   int d, float scale, float *s, float *o) {
+    float m = -INFINITY, total = 0.0f;
+    const int dv = d / VW;
+    const int fast = d % VW == 0 && dv <= ATT_MAX_VECS;
+    int t = 0;
+    if (fast) {
+        vec qv[ATT_MAX_VECS];
+        for (int i = 0; i < dv; i++) qv[i] = loadv(qh + i * VW);
+        for (; t + 4 <= n0; t += 4) {
+            const float *k0 = keys + (size_t)t * d;
+            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            for (int i = 0; i < dv; i++) {
+                a0 += qv[i] * loadv(k0 + i * VW);
+                a1 += qv[i] * loadv(k0 + d + i * VW);
+                a2 += qv[i] * loadv(k0 + 2 * d + i * VW);
+                a3 += qv[i] * loadv(k0 + 3 * d + i * VW);
+            }
+            s[t] = sumv(a0) * scale;
+            s[t + 1] = sumv(a1) * scale;
+            s[t + 2] = sumv(a2) * scale;
+            s[t + 3] = sumv(a3) * scale;
+        }
+    }
+    for (; t < n; t++) {
+        if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
+        s[t] = dot(qh, keys + (size_t)t * d, d) * scale;
+    }
+    for (t = 0; t < n; t++)
+        if (s[t] > m) m = s[t];
+    t = 0;
+    if (fast) {
+        vec sum = {0};
+        for (; t + VW <= n0; t += VW) {
+            const vec e = vexp(loadv(s + t) - m);
+            storev(s + t, e);
+            sum += e;
+        }
+        total = sumv(sum);
+    }
+    for (; t < n; t++) {
+        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m);
+        total += s[t];
+    }
+    const float inv = 1.0f / total;
+    if (fast) {
+        vec ov[ATT_MAX_VECS];
+        for (int i = 0; i < dv; i++) ov[i] = (vec){0};
+        for (t = 0; t < n; t++) {
+            const float w = s[t];
+            if (w == 0.0f) continue;
+            const float *vt = values + (size_t)t * d;
+            for (int i = 0; i < dv; i++) ov[i] += w * loadv(vt + i * VW);
+        }
+        for (int i = 0; i < dv; i++) storev(o + i * VW, ov[i] * inv);
+        return;
+    }
+    for (int i = 0; i < d; i++) o[i] = 0.0f;
+    for (t = 0; t < n; t++) {
+        const float w = s[t];
+        if (w == 0.0f) continue;
+        const float *vt = values + (size_t)t * d;
+        for (int i = 0; i < d; i++) o[i] += w * vt[i];
+    }
+    for (int i = 0; i < d; i++) o[i] *= inv;
+}
+
 static void product(const float *x, const float *w, const float *panel, float *y, int M, int N, int K, int threads) {
     if (panel) mtpflow_panel_gemm(x, panel, NULL, y, M, N, K, threads);
     else mtpflow_small_gemm(x, w, NULL, y, M, N, K, threads);
@@ -385,28 +489,8 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
             const float *qh = qkv + (size_t)r * nqkv + (size_t)j * d;
             const size_t base = slot[r] * slot_stride + (size_t)(j / group) * cap * d;
             const float *keys = kc[l] + base, *values = vc[l] + base;
-            const unsigned char *own = allowed + (size_t)r * qmax;
-            const int n0 = prefix[r], n = n0 + count[r];
-            float *s = scores + (size_t)p * longest, *o = att + (size_t)r * nq + (size_t)j * d;
-            float m = -INFINITY, total = 0.0f;
-            for (int t = 0; t < n; t++) {
-                if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
-                s[t] = dot(qh, keys + (size_t)t * d, d) * scale;
-                if (s[t] > m) m = s[t];
-            }
-            for (int t = 0; t < n; t++) {
-                s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m);
-                total += s[t];
-            }
-            for (int i = 0; i < d; i++) o[i] = 0.0f;
-            for (int t = 0; t < n; t++) {
-                const float w = s[t];
-                if (w == 0.0f) continue;
-                const float *vt = values + (size_t)t * d;
-                for (int i = 0; i < d; i++) o[i] += w * vt[i];
-            }
-            const float inv = 1.0f / total;
-            for (int i = 0; i < d; i++) o[i] *= inv;
+            attend(qh, keys, values, allowed + (size_t)r * qmax, prefix[r], prefix[r] + count[r], d, scale,
+                   scores + (size_t)p * longest, att + (size_t)r * nq + (size_t)j * d);
         }
         product(att, wo[l], po ? po[l] : NULL, tmp, M, H, nq, threads);
         for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];
@@ -417,7 +501,12 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
         for (int r = 0; r < M; r++) {
             const float *g = gu + (size_t)r * 2 * I, *u = g + I;
             float *a = act + (size_t)r * I;
-            for (int i = 0; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            int i = 0;
+            for (; i + VW <= I; i += VW) {  /* silu(gate) * up */
+                const vec gv = loadv(g + i);
+                storev(a + i, gv / (1.0f + vexp(-gv)) * loadv(u + i));
+            }
+            for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
         product(act, wd[l], pd ? pd[l] : NULL, tmp, M, H, I, threads);
         for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];

@@ -232,15 +232,40 @@ def _native_model(**config):
     return model
 
 
+@pytest.fixture(scope="module")
+def avx2_kernels(tmp_path_factory):
+    """small_gemm.c built for CPUs without AVX-512 (8-float vectors), or None where it cannot be."""
+    from mtpflow.kernels import native_linear
+
+    cc = native_linear.compiler()
+    out = tmp_path_factory.mktemp("avx2") / "avx2.so"
+    if cc is None or not native_linear.build(cc, out, (*native_linear.FLAGS, "-mno-avx512f")):
+        return None
+    return native_linear.load(out)
+
+
+@pytest.mark.parametrize("build", ["this", "avx2"])  # the kernels built for this CPU, and the 8-float build
 @pytest.mark.parametrize("context", [11, 300])  # 300: attention over more than 128 entries runs on threads
-def test_native_rows_verify_one_sequence_as_the_lean_forward_does(context, monkeypatch):
+def test_native_rows_verify_one_sequence_as_the_lean_forward_does(context, build, avx2_kernels, monkeypatch):
     """A sequence's own verify (``Target.verify``) through mtpflow_llama_rows: plain steps and a chain give the
-    logits, hidden states, KV entries and length the lean forward's layers give."""
+    logits, hidden states, KV entries and length the lean forward's layers give (the attention over the cached
+    prefix and SiLU take vector exponentials, the tree's own entries the scalar loop)."""
     from mtpflow.kernels import cpu_linear
     from mtpflow.target import Target
     from mtpflow.types import Draft
 
     model = _native_model()
+    if build == "avx2":
+        if avx2_kernels is None:
+            pytest.skip("the compiler cannot target AVX2 without AVX-512 here")
+        assert avx2_kernels.mtpflow_vector_width() == 8
+        real = lean.native_for
+
+        def native_for(m, rows):
+            found = real(m, rows)
+            return None if found is None else (avx2_kernels, found[1])
+
+        monkeypatch.setattr(lean, "native_for", native_for)
     prompt = torch.randint(1, 96, (context,), generator=torch.Generator().manual_seed(2))
     ran = count_runs(monkeypatch, lean, "native_rows")
 
