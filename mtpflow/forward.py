@@ -290,9 +290,13 @@ class _RowSpec:
         self._panels = None  # (the weights' versions, the panel pointer arrays)
 
     def ready(self, rows: int) -> bool:
-        """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native."""
+        """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native.
+        A verify wider than 17 rows (a big tree, a batch of drafts) follows the 17-row plan: the widest bucket is
+        timed as a prefill, whose layers run in Python, where oneDNN's products may win by a hair (a 64-token
+        prefill timed native 127.4 ms against oneDNN 123.1), while one native call for every layer only gains
+        with more rows (17 rows: native 33.0 ms against oneDNN 60.0)."""
         plans = self.probe._mtpflow_row_paths
-        if plans[cpu_linear._BUCKET_OF[rows] if rows < len(cpu_linear._BUCKET_OF) else -1] != "native":
+        if plans[min(cpu_linear.bucket(rows), cpu_linear.WIDEST_VERIFY_BUCKET)] != "native":
             return False
         for attrs, params, ptr in self.watched:  # the dicts read directly, not through nn.Module's getattr
             if params["weight"].data_ptr() != ptr or attrs.get("_mtpflow_int8") is not None:

@@ -85,6 +85,8 @@ def bucket(rows: int) -> int:
 
 # bucket(rows) for rows up to the largest entry, looked up on every multi-row linear call of a verify forward
 _BUCKET_OF = tuple(bucket(r) for r in range(ROW_BUCKETS[-1] + 1))
+# the widest bucket timed as a verify (``time_plans``: 1 + 16 rows); the last one is timed as a prefill
+WIDEST_VERIFY_BUCKET = ROW_BUCKETS.index(17)
 
 
 def available() -> bool:

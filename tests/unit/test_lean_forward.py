@@ -323,6 +323,24 @@ def test_native_rows_decline_what_they_do_not_compute(monkeypatch):
     assert not ran_on(_native_model())
 
 
+def test_wide_verifies_follow_the_widest_verify_plan():
+    """A verify of more rows than the widest verify bucket (17) takes the native rows where the 17-row plan is
+    native, whatever the prefill bucket's plan (timed as a prefill, which native rows never run)."""
+    from mtpflow.kernels import cpu_linear
+
+    model = _native_model()
+    plans = ["native"] * len(cpu_linear.ROW_BUCKETS)
+    plans[-1] = "packed"  # the prefill bucket went to oneDNN
+    cpu_linear.apply_plans(model, tuple(plans))
+    with cpu_linear.packed(), torch.inference_mode():
+        lean.fuse_projections(model)
+        assert lean.native_for(model, 40) is not None and lean.native_for(model, 200) is not None
+        plans[cpu_linear.WIDEST_VERIFY_BUCKET] = "packed"
+        cpu_linear.apply_plans(model, tuple(plans))
+        assert lean.native_for(model, 17) is None and lean.native_for(model, 40) is None
+        assert lean.native_for(model, 9) is not None
+
+
 def test_greedy_through_the_native_rows_equals_hf(tiny, monkeypatch):
     from mtpflow.kernels import cpu_linear
 
