@@ -272,18 +272,21 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, co
 #endif
 
 /* x: M x K, panels: ceil(N / 64) x K x 64, b: N or NULL, y: M x N */
+/* The threads split the (panel, row block) pairs in panel order, each thread a contiguous run: where the panels
+ * split evenly between the threads this is a split of the panels; where they do not (576 outputs: 9 panels for 2
+ * threads) the panel at the seam is shared, so no thread idles for a panel's worth of rows (the second read of
+ * that panel mostly from the shared L3). Each output comes from the same block either way: the same numbers. */
 void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
                         int threads) {
-    const int np = (N + PANEL - 1) / PANEL;
+    const int np = (N + PANEL - 1) / PANEL, nb = (M + PANEL_MB - 1) / PANEL_MB;
 #pragma omp parallel for schedule(static) num_threads(threads)
-    for (int p = 0; p < np; p++) {
+    for (int u = 0; u < np * nb; u++) {
+        const int p = u / nb, m0 = (u % nb) * PANEL_MB;
         const float *panel = panels + (size_t)p * K * PANEL;
-        for (int m0 = 0; m0 < M; m0 += PANEL_MB) {
-            switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
-                PANEL_CASES
-                case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
-                default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
-            }
+        switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
+            PANEL_CASES
+            case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
+            default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
         }
     }
 }

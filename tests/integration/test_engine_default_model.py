@@ -29,7 +29,7 @@ def test_mixed_batch_equals_hf_greedy(default_loaded):
                     loaded=default_loaded)
     requests = []
     for i, prompt in enumerate(PROMPTS * 2):
-        strategy = ["baseline", "pld", "mtp", "mtp_heads", "jacobi"][i % 5]
+        strategy = ["baseline", "pld", "mtp", "mtp_heads", "mtp_tree", "jacobi"][i % 6]
         requests.append(Request(prompt=prompt, strategy=strategy, max_new_tokens=24 + i))
     sampled = Request(prompt=PROMPTS[3], strategy="sampling", temperature=0.8, seed=3)
     handles = [engine.submit(r) for r in requests] + [engine.submit(sampled)]

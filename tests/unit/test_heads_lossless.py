@@ -128,7 +128,7 @@ def test_save_load_round_trip(tiny, tmp_path):
 
 
 @pytest.mark.default_model
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp_heads"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp_heads", "mtp_tree"])
 def test_shipped_heads_match_hf_greedy(default_loaded, kind):
     from mtpflow.model import encode_prompt
 
@@ -190,6 +190,27 @@ def test_heads_with_lookup_match_hf_greedy(tiny, tmp_path):
     result = pipe(prompt_ids=ids)
     assert result.token_ids == hf_greedy(tiny.model, ids, 24)
     assert result.stats["lookup_steps"] > 0
+
+
+def test_mtp_tree_is_the_head_tree_at_a_fixed_budget_and_lossless(tiny, tmp_path):
+    """``mtp_tree`` builds on ``mtp_heads``: the same gate and grafts, a wider candidate tree, and a pruner that
+    keeps the 32 nodes of highest PFS with no verify-cost budget; greedy output equals HF, and trees of more
+    than 17 nodes are really verified."""
+    from mtpflow.config import compose
+
+    tree, heads = compose(["strategy=mtp_tree"]).strategy, compose(["strategy=mtp_heads"]).strategy
+    assert tree.name == "mtp_tree" and tree.lossless and tree.needs_hidden_states
+    assert tree.propose._target_ == heads.propose._target_ and tree.gate == heads.gate
+    assert tree.propose.recycling == heads.propose.recycling and tree.propose.suffix == heads.propose.suffix
+    assert tree.propose.max_nodes > tree.prune[0].max_nodes == 32 and tree.prune[0].costs is None
+    folder = random_heads(tiny, "medusa", tmp_path / "m")
+    pipe = make_pipeline(tiny, "mtp_tree", "max_new_tokens=40", "trace=off", f"strategy.propose.heads={folder}")
+    widest = 0
+    for i, ids in enumerate(prompts(len(tiny.tokenizer), 4, seed=6)):
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(tiny.model, ids, 40), f"prompt {i}"
+        widest = max(widest, result.stats["draft_tokens"] / max(result.stats["verify_forwards"], 1))
+    assert widest > 17  # more nodes a step, on average, than mtp_heads' cost-pruned tree may keep (12)
 
 
 @pytest.mark.parametrize("bad", [{"max_ngram": 0}, {"min_ngram": 3, "max_ngram": 2}, {"window": 3}, 7])
