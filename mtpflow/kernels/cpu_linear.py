@@ -85,8 +85,9 @@ def bucket(rows: int) -> int:
 
 # bucket(rows) for rows up to the largest entry, looked up on every multi-row linear call of a verify forward
 _BUCKET_OF = tuple(bucket(r) for r in range(ROW_BUCKETS[-1] + 1))
-# the widest bucket timed as a verify (``time_plans``: 1 + 16 rows); the last one is timed as a prefill
-WIDEST_VERIFY_BUCKET = ROW_BUCKETS.index(17)
+# ``time_plans`` times every bucket but the last as a verify (a root + a chain) and the last as a prefill: the
+# widest verify bucket (17 rows), whose plan verifies wider than it follow (``forward._RowSpec.ready``)
+WIDEST_VERIFY_BUCKET = len(ROW_BUCKETS) - 2
 
 
 def available() -> bool:

@@ -194,7 +194,7 @@ def test_heads_with_lookup_match_hf_greedy(tiny, tmp_path):
 
 def test_mtp_tree_is_the_head_tree_at_a_fixed_budget_and_lossless(tiny, tmp_path):
     """``mtp_tree`` builds on ``mtp_heads``: the same gate and grafts, a wider candidate tree, and a pruner that
-    keeps the 32 nodes of highest PFS with no verify-cost budget; greedy output equals HF, and trees of more
+    keeps up to 32 nodes of highest PFS with no verify-cost budget; greedy output equals HF, and trees of more
     than 17 nodes are really verified."""
     from mtpflow.config import compose
 
