@@ -45,10 +45,10 @@ def best_k(costs: dict[int, float], acceptance: float) -> int:
 
 
 @torch.inference_mode()
-def time_verify_forwards(model, ks, context: int, repeats: int) -> dict[int, list[float]]:
+def time_verify_forwards(model, ks, context: int, repeats: int, argmax_only: bool = False) -> dict[int, list[float]]:
     """{K: ``repeats`` timings in seconds} of a verify forward feeding the root plus K random draft tokens on a
     ``context``-token cache; the Ks are interleaved so background load drifts hit them alike, after one
-    warm-up round."""
+    warm-up round. ``argmax_only``: time the forward a greedy sequence runs (``Target.argmax_only``)."""
     from tqdm import tqdm
 
     from mtpflow.target import Target
@@ -57,6 +57,7 @@ def time_verify_forwards(model, ks, context: int, repeats: int) -> dict[int, lis
     g = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
     target = Target(model)
+    target.argmax_only = argmax_only
     target.prefill(torch.randint(0, vocab, (context,), generator=g))
     drafts = {k: Draft.chain(torch.randint(0, vocab, (k,), generator=g)) for k in ks}
     cuda = target.device.type == "cuda"
@@ -90,8 +91,10 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     once per device (on a CPU: per CPU model and thread count), model, dtype, linear kind
     (``mtpflow.kernels.cpu_linear``) and K set, then read from ``~/.cache/mtpflow/verify_cost``. Shared by
     ``HardwareAwareK`` and the cost-aware prompt lookup. The fastest repeat counts; a curve measured on a busy
-    CPU is measured again by a later load that finds it quiet (``mtpflow.model.cached_timing``)."""
-    from mtpflow.kernels import cpu_linear
+    CPU is measured again by a later load that finds it quiet (``mtpflow.model.cached_timing``). A greedy run
+    with ``model.certified_head`` on times the forward its sequences run (the certified LM head), others the
+    float32 head: two curves, each cached under its own key."""
+    from mtpflow.kernels import certified_head, cpu_linear
     from mtpflow.model import cached_timing
 
     model = context.model
@@ -100,6 +103,11 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(ks) - 2
     ctx = max(1, min(cost_context, limit))
     linear = cpu_linear.state(model)
+    model_cfg = (getattr(context, "config", None) or {}).get("model") or {}
+    greedy = getattr(getattr(context, "sampling", None), "greedy", True)  # a context without sampling: greedy
+    argmax_only = bool(greedy and certified_head.check_enabled(model_cfg.get("certified_head", True)))
+    if argmax_only:
+        linear += " certified-head"
     host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if torch.device(context.device).type == "cpu" else ""
     path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}/fastest", ctx, ks, host)
 
@@ -108,7 +116,7 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
                          "linear": linear, "context": ctx, "seconds": {str(k): v for k, v in fastest.items()}}
 
     return cached_timing(path, lambda stored: {int(k): float(v) for k, v in stored["seconds"].items()},
-                         lambda: time_verify_forwards(model, ks, ctx, repeats), record)
+                         lambda: time_verify_forwards(model, ks, ctx, repeats, argmax_only), record)
 
 
 class CostCurve:
@@ -219,7 +227,7 @@ BATCH_ROWS = (1, 3, 9, 17)  # rows per sequence in a forward: the root plus 0, 2
 
 @torch.inference_mode()
 def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context: int = 128,
-                        repeats: int = 2) -> dict[tuple[int, int], list[float]]:
+                        repeats: int = 2, argmax_only: bool = False) -> dict[tuple[int, int], list[float]]:
     """{(sequences, rows per sequence): seconds of each repeat} of ``mtpflow.target.verify_batch`` over caches of
     ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
     from tqdm import tqdm
@@ -235,6 +243,7 @@ def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context
         pool = KVPool(model, b)
         targets = [Target(model, pool=pool) for _ in range(b)]
         for t in targets:
+            t.argmax_only = argmax_only  # greedy sequences (the certified LM head where it applies)
             t.prefill(torch.randint(0, vocab, (context,), generator=g))
         for i in range(repeats + 1):
             for q in rows:
@@ -304,14 +313,17 @@ class BatchCostModel:
         return best
 
 
-def load_batch_costs(loaded, context: int = 128, repeats: int = 2) -> tuple[BatchCostModel, str]:
-    """The batch cost model for a loaded model on this machine, measured once and cached on disk."""
+def load_batch_costs(loaded, context: int = 128, repeats: int = 2,
+                     argmax_only: bool = False) -> tuple[BatchCostModel, str]:
+    """The batch cost model for a loaded model on this machine, measured once and cached on disk;
+    ``argmax_only``: of greedy sequences' verify forwards (``Target.argmax_only``)."""
     from mtpflow.kernels import cpu_linear
     from mtpflow.model import cached_timing, measurement_path
 
     model = loaded.model
     host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if loaded.device.type == "cpu" else device_name(str(loaded.device))
-    key = ("batch", loaded.model_id, str(model.dtype), cpu_linear.state(model), host, context, BATCH_SIZES, BATCH_ROWS)
+    linear = cpu_linear.state(model) + (" certified-head" if argmax_only else "")
+    key = ("batch", loaded.model_id, str(model.dtype), linear, host, context, BATCH_SIZES, BATCH_ROWS)
     path = measurement_path("batch_cost", *key)
 
     def record(fastest: dict[tuple[int, int], float]):
@@ -319,4 +331,5 @@ def load_batch_costs(loaded, context: int = 128, repeats: int = 2) -> tuple[Batc
                                          "grid": [[b, q, s] for (b, q), s in sorted(fastest.items())]}
 
     return cached_timing(path, lambda stored: BatchCostModel({(int(b), int(q)): float(s) for b, q, s in stored["grid"]}),
-                         lambda: measure_batch_costs(model, context=context, repeats=repeats), record)
+                         lambda: measure_batch_costs(model, context=context, repeats=repeats,
+                                                     argmax_only=argmax_only), record)

@@ -11,6 +11,8 @@ from mtpflow.types import Decision, DecodeState, Draft, Verification
 
 
 class CoreDefaults:
+    reads_only_target_argmax = True  # the greedy gate, and the re-scorer's choose() is an argmax when greedy
+
     @hookimpl(trylast=True)
     def select_k(self, state: DecodeState) -> int:
         return 0

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
 from mtpflow.errors import UserError, check_int
-from mtpflow.kernels import cpu_linear, openmp
+from mtpflow.kernels import certified_head, cpu_linear, openmp
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.kv_cache import KVPool
 from mtpflow.loop import Sequence, StepCallback, decode_step
@@ -225,6 +225,7 @@ class Engine:
         self.default_strategy = str(cfg.strategy.get("name"))
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
         build_stages(cfg.strategy)  # the default strategy's parameters are checked before the (slow) model load
+        self.certified_head = certified_head.check_enabled(m.get("certified_head", True))
         # ``loaded`` lets tests, the playground and pipelines share a model that is already in memory
         self.loaded = loaded or load_configured(m)
         self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))
@@ -518,7 +519,7 @@ class Engine:
         if self._batch_costs is None:
             from mtpflow.cost_model import load_batch_costs
 
-            self._batch_costs, _ = load_batch_costs(self.loaded)
+            self._batch_costs, _ = load_batch_costs(self.loaded, argmax_only=self.certified_head)
         return self._batch_costs.best_rows([s.acceptance.value for s in sequences], sizes)
 
     def _end(self, seq: Sequence | None, handle: RequestHandle, error: BaseException | None) -> None:

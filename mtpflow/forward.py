@@ -38,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from mtpflow import kv_cache
 from mtpflow.kernels import cpu_linear, native_linear
+from mtpflow.kernels.certified_head import certified_logits
 
 SUPPORTED = ("LlamaForCausalLM",)
 
@@ -372,9 +373,12 @@ def native_for(model, rows: int):
     return lib, spec
 
 
-def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first, count, allowed):
+def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first, count, allowed,
+              argmax_only=False):
     """``mtpflow_llama_rows`` over the rows described (lists of ints, one entry per row; ``allowed`` a uint8
-    [rows, qmax] tensor): returns the LM head's logits [1, rows, vocab] and the normed last hidden states."""
+    [rows, qmax] tensor): returns the LM head's logits [1, rows, vocab] and the normed last hidden states.
+    ``argmax_only``: the caller reads only each row's argmax, so the LM head may take the certified int8 path
+    (``mtpflow.kernels.certified_head``)."""
     pool.ensure(max(w + 1 for w in wpos))  # the pool has the weights' dtype and device: float32, CPU (_row_spec)
     keys, values = spec.kv(pool)
     inner = model.model
@@ -388,16 +392,17 @@ def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first
                               *[t.data_ptr() for t in ints], allowed.data_ptr(), allowed.shape[1], cos.data_ptr(),
                               sin.data_ptr(), spec.scale, torch.get_num_threads()) != 0:
         raise MemoryError("mtpflow_llama_rows: out of memory")
-    return model.lm_head(normed), normed
+    return (certified_logits(model, normed) if argmax_only else model.lm_head(normed)), normed
 
 
 def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[torch.Tensor],
-                positions: list[torch.Tensor], allowed: list[torch.Tensor], native=None):
+                positions: list[torch.Tensor], allowed: list[torch.Tensor], native=None, argmax_only=False):
     """A verify forward (``target.verify_batch``, ``Target.verify``) through ``mtpflow_llama_rows``: sequence i
     (pool slot ``slots[i]``, ``lengths[i]`` entries) feeds ``ids[i]`` at rope ``positions[i]``, written at its
     length on, row j seeing its prefix and the new entries ``allowed[i][j]`` marks. Only real rows are computed
     (no padding). Returns (logits [rows, vocab], normed hidden [rows, hidden], each sequence's first row), or
-    None where it does not apply (``native_for``; a caller that checked first passes what it returned)."""
+    None where it does not apply (``native_for``; a caller that checked first passes what it returned).
+    ``argmax_only``: every sequence reads only its rows' argmax (``Target.argmax_only``): the certified head."""
     counts = [int(t.numel()) for t in ids]
     m = sum(counts)
     native = native if native is not None else native_for(model, m)
@@ -416,7 +421,7 @@ def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[tor
         starts.append(start)
         start += n
     logits, normed = _run_rows(model, *native, pool, torch.cat(ids)[None], torch.cat(positions)[None], row_slots,
-                               wpos, prefix, first, count, mask)
+                               wpos, prefix, first, count, mask, argmax_only)
     return logits[0], normed[0], starts
 
 

@@ -18,6 +18,7 @@ import torch
 
 from mtpflow.cost_model import DecayedAcceptance
 from mtpflow.hookspecs import hookimpl
+from mtpflow.kernels import certified_head
 from mtpflow.sampling import choose
 from mtpflow.target import Target, verify_batch
 from mtpflow.types import (
@@ -92,6 +93,15 @@ def has_own_verify(plugin_manager) -> bool:
                for impl in plugin_manager.hook.verify.get_hookimpls())
 
 
+def reads_only_target_argmax(plugin_manager) -> bool:
+    """True when every gate and re-scorer of a run reads nothing of the verify logits but each row's argmax under
+    greedy decoding (their plugins say so with ``reads_only_target_argmax = True``, as ``GreedyGate`` and the
+    core defaults do): then its verify rows may take the certified LM head."""
+    impls = [impl for hook in (plugin_manager.hook.gate, plugin_manager.hook.rescore)
+             for impl in hook.get_hookimpls() if not impl.wrapper and not impl.hookwrapper]
+    return all(getattr(impl.plugin, "reads_only_target_argmax", False) for impl in impls)
+
+
 class Sequence:
     """One request being decoded: its own plugin manager (stage objects built for it alone), its state, its
     KV cache slot and its stats. The engine drives it: ``start`` (prefill), then per step ``plan`` ->
@@ -154,6 +164,9 @@ class Sequence:
                 self._extras.update(found)
                 stats.extras.update({k: v for k, v in found.items() if isinstance(v, (int, float, str, bool))})
         self.target = Target(self.loaded.model, need_hidden=self.need_hidden, pool=self.pool)
+        model_cfg = (context.config or {}).get("model") or {}
+        self.target.argmax_only = (context.sampling.greedy and reads_only_target_argmax(self.pm)
+                                   and certified_head.check_enabled(model_cfg.get("certified_head", True)))
         self._extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
         return context.prompt_tokens
 

@@ -58,6 +58,9 @@ class Target:
         # so cache entry i always sits at model position i and generation can run past the model's context
         self.position_shift = 0
         self.forwards = 0
+        # its stages read only the argmax of each verify row (greedy gate, no distribution consumer): a verify
+        # forward of such sequences alone may take the certified int8 LM head (mtpflow.kernels.certified_head)
+        self.argmax_only = False
 
     @property
     def cache_len(self) -> int:
@@ -332,7 +335,8 @@ def _verify_native(model, targets, roots, drafts, root_positions, t0) -> list[Ve
             allowed.append(torch.ones(1, 1, dtype=torch.bool))
     logits, hidden, starts = lean_forward.native_rows(model, targets[0].pool, [t.kv.slot for t in targets],
                                                       [t.kv.length for t in targets], ids, positions, allowed,
-                                                      native=native)
+                                                      native=native,
+                                                      argmax_only=all(t.argmax_only for t in targets))
     seconds = time.perf_counter() - t0
     results = []
     for target, tokens, start in zip(targets, ids, starts):

@@ -144,7 +144,10 @@ class Draft:
 class Verification:
     """The target's view of the draft, from one forward over the root and all draft nodes."""
 
-    logits: torch.Tensor  # [1 + num_nodes, vocab] float32; row 0 is the root, row i + 1 is draft node i
+    # [1 + num_nodes, vocab] float32; row 0 is the root, row i + 1 is draft node i. For a sequence with
+    # ``Target.argmax_only`` (greedy, argmax-only gate and re-scorer) the LM head may be the certified one
+    # (mtpflow.kernels.certified_head): each row's argmax and the entries near it exact, the rest within a bound
+    logits: torch.Tensor
     hidden: torch.Tensor | None  # [1 + num_nodes, hidden] last-layer hidden states, if requested
     forward_seconds: float
 

@@ -16,6 +16,8 @@ from mtpflow.types import BONUS, RECOVERED, Decision, DecodeState, Draft, Verifi
 class GreedyGate:
     """Accept while the draft token equals the target's argmax; lossless for greedy decoding."""
 
+    reads_only_target_argmax = True  # under greedy decoding (sampling hands over to SpeculativeSamplingGate)
+
     @hookimpl
     def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
         argmax = verification.target_argmax()

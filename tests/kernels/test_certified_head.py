@@ -1,0 +1,110 @@
+"""The certified LM head (mtpflow.kernels.certified_head): int8 logits with a rigorous bound, exact float32 logits
+for every token that could be a row's argmax; which sequences take it; greedy decoding through it equals HF."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import hf_greedy, make_pipeline
+from mtpflow import forward as lean
+from mtpflow.errors import ConfigError
+from mtpflow.kernels import certified_head, cpu_linear, native_linear
+
+pytestmark = pytest.mark.skipif(not native_linear.available(), reason="the native CPU kernels could not be built")
+
+
+def head(vocab=512, hidden=64, seed=0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    layer = torch.nn.Linear(hidden, vocab, bias=False)
+    return layer.requires_grad_(False)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 9, 24])
+def test_argmax_exact_and_every_entry_within_its_bound(rows):
+    layer = head()
+    cert = certified_head.CertifiedHead(layer.weight)
+    x = torch.randn(rows, 64) * 3
+    exact = F.linear(x, layer.weight)
+    got = cert.logits(x)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    bound = (x.norm(dim=1, keepdim=True) * cert.residual_norm
+             + certified_head.ROUNDING * x.abs().sum(1, keepdim=True) * cert.abs_max)
+    assert bool(((got - exact).abs() <= bound).all())
+    top = exact.argmax(-1)
+    torch.testing.assert_close(got[torch.arange(rows), top], exact[torch.arange(rows), top], rtol=1e-6, atol=1e-6)
+    assert cert.nbytes == 512 * 64 + 3 * 4 * 512  # int8 weight, scale, residual norm, max |w| per token
+
+
+def test_a_near_tie_is_decided_by_the_float32_logits():
+    """Two tokens whose float32 logits differ by 1e-5 (int8 cannot tell them apart): both are candidates, and the
+    float32 values pick the winner, whichever of the two it is."""
+    layer = head(vocab=256, hidden=32, seed=1)
+    x = torch.randn(1, 32)
+    w = layer.weight
+    w[3] = x[0] / x[0].norm() * 4  # token 3 leads by far
+    for sign in (1.0, -1.0):
+        w[7] = w[3] + sign * 1e-5 * x[0] / x[0].norm() ** 2  # token 7's logit: token 3's + sign * 1e-5
+        exact = F.linear(x, w)
+        assert abs(float(exact[0, 7] - exact[0, 3]) - sign * 1e-5) < 5e-6
+        cert = certified_head.CertifiedHead(w)
+        assert int(cert.logits(x).argmax()) == int(exact.argmax()) == (7 if sign > 0 else 3)
+
+
+def test_rebuilt_when_the_weight_changes_in_place():
+    model = torch.nn.Module()
+    model.lm_head = head()
+    x = torch.randn(2, 64)
+    first = certified_head.certified_logits(model, x)
+    kept = model._mtpflow_certified_head
+    assert certified_head.certified_logits(model, x) is not None and model._mtpflow_certified_head is kept
+    model.lm_head.weight.mul_(-1.0)
+    again = certified_head.certified_logits(model, x)
+    assert model._mtpflow_certified_head is not kept
+    assert torch.equal(again.argmax(-1), F.linear(x, model.lm_head.weight).argmax(-1))
+    assert not torch.equal(first.argmax(-1), again.argmax(-1))
+
+
+def test_what_it_declines():
+    layer = head()
+    assert certified_head.applies(layer, 1) and certified_head.applies(layer, certified_head.MAX_ROWS)
+    assert not certified_head.applies(layer, certified_head.MAX_ROWS + 1)  # wide: the float32 head is as fast
+    assert not certified_head.applies(torch.nn.Linear(64, 512), 1)  # a bias
+    assert not certified_head.applies(head().to(torch.bfloat16), 1)
+    quantized = cpu_linear.PackedLinear(64, 512, bias=False)
+    quantized._mtpflow_int8 = native_linear.quantize_int8(quantized.weight)
+    assert not certified_head.applies(quantized, 1)  # model.quantize=int8: its own int8 head already
+    model = torch.nn.Module()
+    model.lm_head = head()
+    x = torch.randn(certified_head.MAX_ROWS + 1, 64)
+    assert torch.equal(certified_head.certified_logits(model, x), model.lm_head(x))  # the float32 head itself
+    with pytest.raises(ConfigError, match="model.certified_head must be true or false"):
+        certified_head.check_enabled("yes")
+
+
+def test_only_greedy_argmax_readers_take_it(tiny, monkeypatch):
+    """Greedy runs whose gate and re-scorer read only the argmax take the certified head and decode as HF greedy;
+    sampling, a gate that reads probabilities, a re-scorer and model.certified_head=false take the float32 head."""
+    prompt = [5, 17, 23, 8, 42, 11, 9]
+    calls = []
+    real = certified_head.CertifiedHead.logits
+    monkeypatch.setattr(certified_head.CertifiedHead, "logits", lambda self, x: calls.append(1) or real(self, x))
+    seen = []
+    real_rows = lean.native_rows
+    monkeypatch.setattr(lean, "native_rows", lambda *a, **k: seen.append(k.get("argmax_only")) or real_rows(*a, **k))
+
+    def run(strategy, *overrides):
+        calls.clear()
+        seen.clear()
+        pipe = make_pipeline(tiny, strategy, "max_new_tokens=24", "trace=off", "model.cpu_linear=packed", *overrides)
+        cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+        return pipe, pipe(prompt_ids=prompt).token_ids
+
+    for strategy in ("baseline", "pld", "mtp"):
+        pipe, tokens = run(strategy)
+        assert tokens == hf_greedy(pipe.loaded.model, prompt, 24)
+        assert calls and seen and all(seen)
+    for strategy, overrides in [("sampling", ()), ("typical", ()), ("domain_aware", ()),
+                                ("pld", ("model.certified_head=false",))]:
+        run(strategy, *overrides)
+        assert seen and not any(seen) and not calls, strategy
