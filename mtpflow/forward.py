@@ -289,6 +289,25 @@ class _RowSpec:
                         _pointers([b.post_attention_layernorm.weight for b in layers]), gu, down)
         self._kv = (None, None, None)  # (the pool's key list, key pointers, value pointers)
         self._panels = None  # (the weights' versions, the panel pointer arrays)
+        self._q8 = None  # (the weights' versions, int8 copies, their pointer arrays): ``int8`` builds it
+
+    def int8(self):
+        """The 8 pointer arrays (int8 weights, scales; per product) of an int8 copy of the four products, built on
+        first use (``native_linear.quantize_int8``, one scale per output feature) and again when a weight changed
+        in place: what ``draft_rows`` runs. The default model's copy: 106 MB."""
+        versions = tuple(m._parameters["weight"]._version for ms in self.linears for m in ms)
+        if self._q8 is None or self._q8[0] != versions:
+            copies = [[native_linear.quantize_int8(m.weight) for m in ms] for ms in self.linears]
+            pointers = tuple(p for cs in copies for p in (_pointers([q for q, _ in cs]), _pointers([s for _, s in cs])))
+            self._q8 = (versions, copies, pointers)
+        return self._q8[2]
+
+    @property
+    def int8_bytes(self) -> int:
+        """Bytes held by the int8 copy (0 before ``int8`` built it)."""
+        if self._q8 is None:
+            return 0
+        return sum(q.numel() + 4 * s.numel() for cs in self._q8[1] for q, s in cs)
 
     def ready(self, rows: int) -> bool:
         """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native.
@@ -374,11 +393,11 @@ def native_for(model, rows: int):
 
 
 def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first, count, allowed,
-              argmax_only=False):
+              argmax_only=False, int8=False):
     """``mtpflow_llama_rows`` over the rows described (lists of ints, one entry per row; ``allowed`` a uint8
     [rows, qmax] tensor): returns the LM head's logits [1, rows, vocab] and the normed last hidden states.
     ``argmax_only``: the caller reads only each row's argmax, so the LM head may take the certified int8 path
-    (``mtpflow.kernels.certified_head``)."""
+    (``mtpflow.kernels.certified_head``). ``int8``: the products through the int8 copy (``_RowSpec.int8``)."""
     pool.ensure(max(w + 1 for w in wpos))  # the pool has the weights' dtype and device: float32, CPU (_row_spec)
     keys, values = spec.kv(pool)
     inner = model.model
@@ -387,10 +406,11 @@ def _run_rows(model, lib, spec, pool, ids, positions, slots, wpos, prefix, first
     normed = torch.empty_like(h)
     ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, first, count)]
     m = len(slots)
-    if lib.mtpflow_llama_rows(h.data_ptr(), normed.data_ptr(), m, *spec.dims, *spec.weights, *spec.panels(m),
+    panels, int8_copy = ((None,) * 4, spec.int8()) if int8 else (spec.panels(m), (None,) * 8)
+    if lib.mtpflow_llama_rows(h.data_ptr(), normed.data_ptr(), m, *spec.dims, *spec.weights, *panels,
                               spec.norm.data_ptr(), spec.eps, keys, values, pool.capacity,
                               *[t.data_ptr() for t in ints], allowed.data_ptr(), allowed.shape[1], cos.data_ptr(),
-                              sin.data_ptr(), spec.scale, torch.get_num_threads()) != 0:
+                              sin.data_ptr(), spec.scale, torch.get_num_threads(), *int8_copy) != 0:
         raise MemoryError("mtpflow_llama_rows: out of memory")
     return (certified_logits(model, normed) if argmax_only else model.lm_head(normed)), normed
 
@@ -423,6 +443,26 @@ def native_rows(model, pool, slots: list[int], lengths: list[int], ids: list[tor
     logits, normed = _run_rows(model, *native, pool, torch.cat(ids)[None], torch.cat(positions)[None], row_slots,
                                wpos, prefix, first, count, mask, argmax_only)
     return logits[0], normed[0], starts
+
+
+def draft_rows(model, pool, slot: int, length: int, root: int, position: int, steps: int) -> list[int] | None:
+    """``steps`` greedy tokens after ``root`` from the target's own layers with int8 weights (``_RowSpec.int8``):
+    one row per token through ``mtpflow_llama_rows`` over pool slot ``slot``, whose first ``length`` entries (the
+    committed tokens, written by the float32 verify forwards) every row attends to; the draft's own entries go
+    after them, where the next verify forward overwrites them. ``position``: the root's rope position. The LM head
+    is the certified one (its argmax is the float32 head's over these hidden states). None where the native
+    forward does not apply (``native_for``)."""
+    native = native_for(model, 1)
+    if native is None:
+        return None
+    one = torch.ones(1, 1, dtype=torch.uint8)
+    token, drafted = root, []
+    for i in range(steps):
+        logits, _ = _run_rows(model, *native, pool, torch.tensor([[token]]), torch.tensor([[position + i]]), [slot],
+                              [length + i], [length + i], [0], [1], one, argmax_only=True, int8=True)
+        token = int(logits[0, -1].argmax())
+        drafted.append(token)
+    return drafted
 
 
 def grouped_attention(query, key, value, mask, scale: float) -> torch.Tensor:

@@ -101,7 +101,7 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mtpflow_panel_min_rows.restype = ctypes.c_int
     ptr, i32 = ctypes.c_void_p, ctypes.c_int
     lib.mtpflow_llama_rows.argtypes = ([ptr, ptr] + [i32] * 7 + [ptr] * 11 + [ctypes.c_float, ptr, ptr, ctypes.c_long]
-                                       + [ptr] * 6 + [i32, ptr, ptr, ctypes.c_float, i32])
+                                       + [ptr] * 6 + [i32, ptr, ptr, ctypes.c_float, i32] + [ptr] * 8)
     lib.mtpflow_llama_rows.restype = i32
     return lib
 

@@ -445,8 +445,10 @@ static void attend(const float *qh, const float *keys, const float *values, cons
     for (int i = 0; i < d; i++) o[i] *= inv;
 }
 
-static void product(const float *x, const float *w, const float *panel, float *y, int M, int N, int K, int threads) {
-    if (panel) mtpflow_panel_gemm(x, panel, NULL, y, M, N, K, threads);
+static void product(const float *x, const float *w, const float *panel, const signed char *q, const float *qs,
+                    float *y, int M, int N, int K, int threads) {
+    if (q) mtpflow_small_gemm_q8(x, q, qs, NULL, y, M, N, K, threads);  /* the int8 copy (a draft forward) */
+    else if (panel) mtpflow_panel_gemm(x, panel, NULL, y, M, N, K, threads);
     else mtpflow_small_gemm(x, w, NULL, y, M, N, K, threads);
 }
 
@@ -457,7 +459,12 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
                        const float *const *pd, const float *norm_w, float eps, float *const *kc, float *const *vc,
                        long cap, const int *slot, const int *wpos, const int *prefix, const int *first,
                        const int *count, const unsigned char *allowed, int qmax, const float *cos,
-                       const float *sin, float scale, int threads) {
+                       const float *sin, float scale, int threads,
+                       /* int8 copies of the four products (weights, per-output scales; NULL: the float weights):
+                        * the same forward with a quarter of the weight bytes, for drafting */
+                       const signed char *const *qqkv, const float *const *sqkv, const signed char *const *qo,
+                       const float *const *so, const signed char *const *qgu, const float *const *sgu,
+                       const signed char *const *qd, const float *const *sd) {
     const int nq = nh * d, nk = nkv * d, group = nh / nkv, nqkv = nq + 2 * nk;
     const size_t slot_stride = (size_t)nkv * cap * d;
     int longest = 1;
@@ -473,7 +480,8 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
     for (int l = 0; l < L; l++) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, ln1[l], eps, x + (size_t)r * H, H);
-        product(x, wqkv[l], pqkv ? pqkv[l] : NULL, qkv, M, nqkv, H, threads);
+        product(x, wqkv[l], pqkv ? pqkv[l] : NULL, qqkv ? qqkv[l] : NULL, qqkv ? sqkv[l] : NULL, qkv, M, nqkv, H,
+                threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) {
             float *q = qkv + (size_t)r * nqkv, *k = q + nq, *v = k + nk;
@@ -495,11 +503,11 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
             attend(qh, keys, values, allowed + (size_t)r * qmax, prefix[r], prefix[r] + count[r], d, scale,
                    scores + (size_t)p * longest, att + (size_t)r * nq + (size_t)j * d);
         }
-        product(att, wo[l], po ? po[l] : NULL, tmp, M, H, nq, threads);
+        product(att, wo[l], po ? po[l] : NULL, qo ? qo[l] : NULL, qo ? so[l] : NULL, tmp, M, H, nq, threads);
         for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, ln2[l], eps, x + (size_t)r * H, H);
-        product(x, wgu[l], pgu ? pgu[l] : NULL, gu, M, 2 * I, H, threads);
+        product(x, wgu[l], pgu ? pgu[l] : NULL, qgu ? qgu[l] : NULL, qgu ? sgu[l] : NULL, gu, M, 2 * I, H, threads);
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
         for (int r = 0; r < M; r++) {
             const float *g = gu + (size_t)r * 2 * I, *u = g + I;
@@ -511,7 +519,7 @@ int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int
             }
             for (; i < I; i++) a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
         }
-        product(act, wd[l], pd ? pd[l] : NULL, tmp, M, H, I, threads);
+        product(act, wd[l], pd ? pd[l] : NULL, qd ? qd[l] : NULL, qd ? sd[l] : NULL, tmp, M, H, I, threads);
         for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + tmp[i];
     }
     for (int r = 0; r < M; r++) rmsnorm(h + (size_t)r * H, norm_w, eps, normed + (size_t)r * H, H);

@@ -114,10 +114,16 @@ def test_stochastic_chain_draft_uses_min_p_over_q():
     assert chisquare(obs, exp).pvalue > ALPHA
 
 
-def test_loop_sampling_matches_plain_sampling():
-    """End to end on a tiny 8-token model: speculative (sampling strategy) vs plain sampling (baseline)."""
+@pytest.mark.parametrize("speculative", ["sampling", "int8_draft"])
+def test_loop_sampling_matches_plain_sampling(speculative):
+    """End to end on a tiny 8-token model: speculative sampling (prompt-lookup drafts, or the int8 self-draft's
+    deterministic chains through the native forward) vs plain sampling (baseline)."""
     from helpers import make_tiny_tokenizer
+    from mtpflow.kernels import cpu_linear, native_linear
     from mtpflow.model import LoadedModel
+
+    if speculative == "int8_draft" and not native_linear.available():
+        pytest.skip("the native CPU kernels could not be built")
 
     tok = make_tiny_tokenizer()
     model = make_tiny_model(VOCAB, seed=2, init=0.5)
@@ -126,10 +132,13 @@ def test_loop_sampling_matches_plain_sampling():
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
     n = 300
     tables = []
-    for strategy in ("baseline", "sampling"):
-        # costs=null: drafts every match (the cost model would rightly skip drafting on this toy model)
-        extra = ["strategy.propose.min_ngram=1", "strategy.propose.costs=null"] if strategy == "sampling" else []
+    for strategy in ("baseline", speculative):
+        # costs=null / cost_aware=false: drafts every step (the cost model would rightly skip drafting on this toy)
+        extra = {"baseline": [], "sampling": ["strategy.propose.min_ngram=1", "strategy.propose.costs=null"],
+                 "int8_draft": ["strategy.propose.cost_aware=false", "model.cpu_linear=packed"]}[strategy]
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=4", "temperature=1.0", *extra)
+        if strategy == "int8_draft":
+            cpu_linear.apply_plans(model, ("native",) * len(cpu_linear.ROW_BUCKETS))
         counts = Counter()
         drafted = 0
         for seed in range(n):

@@ -1,0 +1,122 @@
+"""The int8 self-draft (strategy ``int8_draft``): the target's own layers over an int8 copy of their weights draft
+on the target's KV cache (``mtpflow.forward.draft_rows``, native rows); the float32 target verifies. Lossless on the
+tiny model and the default model, what the int8 rows compute, its memory, its errors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from helpers import hf_greedy, make_pipeline, make_tiny_model
+from mtpflow import forward as lean
+from mtpflow.errors import ConfigError, UserError
+from mtpflow.kernels import cpu_linear, native_linear
+from mtpflow.kv_cache import KVPool
+from mtpflow.strategies.draft_model import DraftModelProposer
+from mtpflow.target import Target
+
+pytestmark = pytest.mark.skipif(not native_linear.available(), reason="the native CPU kernels could not be built")
+
+PROMPTS = [[5, 17, 23, 8, 42, 11, 9], [3, 3, 7, 19, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
+
+
+def native_pipeline(loaded, strategy, *overrides):
+    pipe = make_pipeline(loaded, strategy, "trace=off", "model.cpu_linear=packed", *overrides)
+    cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+    return pipe
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    q, scale = native_linear.quantize_int8(weight)
+    return q.float() * scale[:, None]
+
+
+@torch.inference_mode()
+def test_int8_rows_compute_the_dequantized_model_on_the_float_cache(tiny):
+    """draft_rows' tokens are HF's greedy tokens from a copy of the model whose products hold the int8 weights
+    (dequantized), continuing from the float32 model's cache of the prompt (the committed entries are the float
+    target's), the LM head, embeddings and norms float32."""
+    pipe = native_pipeline(tiny, "baseline", "max_new_tokens=2")
+    model = pipe.loaded.model
+    pipe(prompt_ids=PROMPTS[0])  # fuses the products and builds the native spec
+    prompt = torch.tensor(PROMPTS[2])
+    with cpu_linear.packed():
+        target = Target(model)
+        target.prefill(prompt[:-1])
+        drafted = lean.draft_rows(model, target.pool, target.kv.slot, target.cache_len, int(prompt[-1]),
+                                  len(prompt) - 1, 6)
+    assert drafted is not None and len(drafted) == 6
+    reference = make_tiny_model(len(tiny.tokenizer), seed=0)
+    assert torch.equal(reference.lm_head.weight, model.lm_head.weight)
+    cache = DynamicCache(config=reference.config)
+    reference(input_ids=prompt[None, :-1], cache=cache, use_cache=True)  # float32 prefix
+    for layer in reference.model.layers:
+        for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
+                       layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            linear.weight.copy_(dequantized(linear.weight))
+    token, expected = int(prompt[-1]), []
+    for i in range(6):
+        out = reference(input_ids=torch.tensor([[token]]), position_ids=torch.tensor([[len(prompt) - 1 + i]]),
+                        cache=cache, use_cache=True)
+        token = int(out.logits[0, -1].argmax())
+        expected.append(token)
+    assert drafted == expected
+    spec = lean._row_spec(model)
+    layers, hidden, inter = model.config.num_hidden_layers, model.config.hidden_size, model.config.intermediate_size
+    qkv = model.model.layers[0].self_attn._mtpflow_qkv.weight.shape[0]
+    per_layer = (qkv + hidden + 2 * inter) * hidden + inter * hidden  # int8 weights of the four products
+    assert spec.int8_bytes == layers * (per_layer + 4 * (qkv + hidden + 2 * inter + hidden))  # + float scales
+
+
+def test_int8_draft_is_lossless_and_drafts(tiny):
+    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=40", "strategy.propose.cost_aware=false")
+    for prompt in PROMPTS:
+        result = pipe(prompt_ids=prompt)
+        assert result.token_ids == hf_greedy(pipe.loaded.model, prompt, 40)
+        assert result.stats["draft_tokens"] > 0 and result.stats["accepted_tokens"] > 0
+        assert result.stats["draft_model"] == "target int8"
+
+
+def test_int8_copy_is_built_once_and_bounded_after_200_requests(tiny):
+    """The int8 copy is the draft's only extra memory: built once per model, the same bytes after 200 requests."""
+    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=6", "strategy.propose.cost_aware=false")
+    g = torch.Generator().manual_seed(3)
+    spec, built = None, None
+    for i in range(200):
+        pipe(prompt_ids=torch.randint(1, len(tiny.tokenizer), (int(torch.randint(3, 20, (1,), generator=g)),),
+                                      generator=g).tolist())
+        spec = lean._row_spec(pipe.loaded.model)
+        if built is None:
+            built = (spec.int8_bytes, id(spec._q8[1]))
+        assert (spec.int8_bytes, id(spec._q8[1])) == built
+    assert built[0] > 0
+
+
+def test_int8_draft_errors():
+    with pytest.raises(ConfigError, match="quantize must be null or int8"):
+        DraftModelProposer(quantize="int4")
+    with pytest.raises(ConfigError, match="leave model and layers null"):
+        DraftModelProposer(quantize="int8", layers=2)
+    with pytest.raises(ConfigError, match="quantize=int8"):
+        DraftModelProposer()
+
+
+def test_int8_draft_needs_the_native_forward(tiny):
+    pipe = make_pipeline(tiny, "int8_draft", "max_new_tokens=8", "trace=off", "model.cpu_linear=stock",
+                         "strategy.propose.cost_aware=false")
+    with pytest.raises(UserError, match="needs mtpflow's native CPU forward"):
+        pipe(prompt_ids=PROMPTS[0])
+
+
+@pytest.mark.default_model
+def test_int8_draft_on_the_default_model(default_loaded):
+    """Token for token HF greedy on the embedded model, with long accepted chains: drafting 8 tokens every step
+    (no cost model, so the figure does not depend on this machine's timings), MAL at least 3 (6.3 on the benchmark)."""
+    pipe = make_pipeline(default_loaded, "int8_draft", "max_new_tokens=48", "trace=off",
+                         "strategy.propose.cost_aware=false")
+    for prompt in ("Summarize: The meeting moved from Tuesday to Thursday at 3 pm because the client asked for more "
+                   "time to review the proposal.", "What is the capital of France? Answer in one sentence."):
+        ids = pipe.encode(prompt).tolist()
+        result = pipe(prompt_ids=ids)
+        assert result.token_ids == hf_greedy(default_loaded.model, ids, 48)
+        assert result.stats["mal"] >= 3.0, result.stats
