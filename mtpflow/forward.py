@@ -309,14 +309,14 @@ class _RowSpec:
             return 0
         return sum(q.numel() + 4 * s.numel() for cs in self._q8[1] for q, s in cs)
 
-    def ready(self, rows: int) -> bool:
+    def ready(self, rows: int, plan: bool = True) -> bool:
         """The weights are still those pointed at (none replaced or quantized) and ``rows`` rows run native.
         A verify wider than 17 rows (a big tree, a batch of drafts) follows the 17-row plan: the widest bucket is
         timed as a prefill, whose layers run in Python, where oneDNN's products may win by a hair (a 64-token
         prefill timed native 127.4 ms against oneDNN 123.1), while one native call for every layer only gains
         with more rows (17 rows: native 33.0 ms against oneDNN 60.0)."""
         plans = self.probe._mtpflow_row_paths
-        if plans[min(cpu_linear.bucket(rows), cpu_linear.WIDEST_VERIFY_BUCKET)] != "native":
+        if plan and plans[min(cpu_linear.bucket(rows), cpu_linear.WIDEST_VERIFY_BUCKET)] != "native":
             return False
         for attrs, params, ptr in self.watched:  # the dicts read directly, not through nn.Module's getattr
             if params["weight"].data_ptr() != ptr or attrs.get("_mtpflow_int8") is not None:
@@ -378,16 +378,17 @@ def _row_spec(model) -> _RowSpec | None:
     return spec
 
 
-def native_for(model, rows: int):
+def native_for(model, rows: int, plan: bool = True):
     """(the kernels, the model's spec) where ``rows`` new tokens may go through ``mtpflow_llama_rows``, else None:
     outside ``cpu_linear.packed()``, no native kernels, ``MTPFLOW_NATIVE_ROW=0``, a model ``_row_spec`` turns
-    down, or a plan for that many rows that is not native."""
+    down, or a plan for that many rows that is not native (``plan=False``: whatever the plan, for the int8 draft,
+    which has no float32 alternative to lose to)."""
     if not cpu_linear.active() or not native_linear.rows_enabled() or not supports(model) \
             or not getattr(model, "_mtpflow_fused", None):
         return None
     lib = native_linear.library()
     spec = _row_spec(model) if lib is not None else None
-    if spec is None or not spec.ready(rows):
+    if spec is None or not spec.ready(rows, plan):
         return None
     return lib, spec
 
@@ -452,7 +453,7 @@ def draft_rows(model, pool, slot: int, length: int, root: int, position: int, st
     after them, where the next verify forward overwrites them. ``position``: the root's rope position. The LM head
     is the certified one (its argmax is the float32 head's over these hidden states). None where the native
     forward does not apply (``native_for``)."""
-    native = native_for(model, 1)
+    native = native_for(model, 1, plan=False)
     if native is None:
         return None
     one = torch.ones(1, 1, dtype=torch.uint8)

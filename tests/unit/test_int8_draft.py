@@ -77,6 +77,19 @@ def test_int8_draft_is_lossless_and_drafts(tiny):
         assert result.stats["draft_model"] == "target int8"
 
 
+def test_int8_draft_runs_whatever_the_float_plan(tiny):
+    """The draft needs the native forward, not a native float32 plan: with stock plans (the verify forwards in
+    Python) it still drafts through the int8 rows, and decoding stays HF's."""
+    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=24", "strategy.propose.cost_aware=false")
+    model = pipe.loaded.model
+    cpu_linear.apply_plans(model, ("stock",) * len(cpu_linear.ROW_BUCKETS))
+    try:
+        result = pipe(prompt_ids=PROMPTS[1])
+        assert result.token_ids == hf_greedy(model, PROMPTS[1], 24) and result.stats["accepted_tokens"] > 0
+    finally:
+        cpu_linear.apply_plans(model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+
+
 def test_int8_copy_is_built_once_and_bounded_after_200_requests(tiny):
     """The int8 copy is the draft's only extra memory: built once per model, the same bytes after 200 requests."""
     pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=6", "strategy.propose.cost_aware=false")
