@@ -103,9 +103,8 @@ def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(ks) - 2
     ctx = max(1, min(cost_context, limit))
     linear = cpu_linear.state(model)
-    model_cfg = (getattr(context, "config", None) or {}).get("model") or {}
     greedy = getattr(getattr(context, "sampling", None), "greedy", True)  # a context without sampling: greedy
-    argmax_only = bool(greedy and certified_head.check_enabled(model_cfg.get("certified_head", True)))
+    argmax_only = bool(greedy and certified_head.enabled(getattr(context, "config", None)))
     if argmax_only:
         linear += " certified-head"
     host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if torch.device(context.device).type == "cpu" else ""

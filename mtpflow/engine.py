@@ -225,7 +225,7 @@ class Engine:
         self.default_strategy = str(cfg.strategy.get("name"))
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
         build_stages(cfg.strategy)  # the default strategy's parameters are checked before the (slow) model load
-        self.certified_head = certified_head.check_enabled(m.get("certified_head", True))
+        self.certified_head = certified_head.enabled(cfg)
         # ``loaded`` lets tests, the playground and pipelines share a model that is already in memory
         self.loaded = loaded or load_configured(m)
         self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))

@@ -294,7 +294,7 @@ class _RowSpec:
     def int8(self):
         """The 8 pointer arrays (int8 weights, scales; per product) of an int8 copy of the four products, built on
         first use (``native_linear.quantize_int8``, one scale per output feature) and again when a weight changed
-        in place: what ``draft_rows`` runs. The default model's copy: 106 MB."""
+        in place: what ``draft_rows`` runs. The default model's copy: 106.8 MB."""
         versions = tuple(m._parameters["weight"]._version for ms in self.linears for m in ms)
         if self._q8 is None or self._q8[0] != versions:
             copies = [[native_linear.quantize_int8(m.weight) for m in ms] for ms in self.linears]

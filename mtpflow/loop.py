@@ -164,9 +164,8 @@ class Sequence:
                 self._extras.update(found)
                 stats.extras.update({k: v for k, v in found.items() if isinstance(v, (int, float, str, bool))})
         self.target = Target(self.loaded.model, need_hidden=self.need_hidden, pool=self.pool)
-        model_cfg = (context.config or {}).get("model") or {}
         self.target.argmax_only = (context.sampling.greedy and reads_only_target_argmax(self.pm)
-                                   and certified_head.check_enabled(model_cfg.get("certified_head", True)))
+                                   and certified_head.enabled(context.config))
         self._extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
         return context.prompt_tokens
 

@@ -15,7 +15,7 @@ the top are exact and the rest are within the bound (the traces' probabilities o
 recycling's lower candidates). Sequences that read the whole distribution (sampling, typical or composite
 gates, the re-scorer) get the float32 head: ``Target.argmax_only``.
 
-Memory: the int8 copy of the head weight plus two floats per token (28.4 MB for the default model), built on
+Memory: the int8 copy of the head weight plus three floats per token (28.9 MB for the default model), built on
 first use and rebuilt when the weight changes. Above ``MAX_ROWS`` rows the int8 kernel is no faster than the
 float32 head (compute, not bytes, bounds it) and the float32 head runs.
 """
@@ -80,6 +80,12 @@ def check_enabled(value) -> bool:
     from mtpflow.errors import ConfigError
 
     raise ConfigError(f"model.certified_head must be true or false, got {value!r}")
+
+
+def enabled(config) -> bool:
+    """``model.certified_head`` of a resolved config (a run's ``context.config`` or the engine's; default true)."""
+    model_cfg = (config or {}).get("model") or {}
+    return check_enabled(model_cfg.get("certified_head", True))
 
 
 def applies(head: torch.nn.Module, rows: int) -> bool:
