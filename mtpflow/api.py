@@ -61,8 +61,9 @@ class Pipeline:
         return self.loaded.tokenizer
 
     @property
-    def packed_linear(self) -> bool:
-        return self.engine.packed_linear
+    def backend(self):
+        """The engine's backend (``mtpflow.backends``): what runs the target's forwards."""
+        return self.engine.backend
 
     def encode(self, prompt: str) -> torch.Tensor:
         """The prompt's token ids as this pipeline would feed them (chat template, system prompt)."""

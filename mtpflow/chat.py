@@ -24,6 +24,28 @@ PROMPT = ">>> "
 FIXED_KEYS = ("model", "prompt", "prompt_file", "output")
 
 
+def format_stats(stats: dict) -> str:
+    rows = [
+        ("tokens", stats.get("new_tokens")),
+        ("forward passes", stats.get("forward_passes")),
+        ("MAL (tokens / verify forward)", stats.get("mal")),
+        ("tokens/s", stats.get("tokens_per_second")),
+        ("acceptance rate", stats.get("acceptance_rate")),
+        ("time to first token (s)", stats.get("time_to_first_token")),
+        ("hit rate", stats.get("mtp_hit_rate")),
+        ("avg K", stats.get("mtp_avg_k_used")),
+        ("error propagation rate", stats.get("mtp_error_propagation_rate")),
+        ("stop reason", stats.get("stop_reason")),
+    ]
+    known = {"new_tokens", "forward_passes", "mal", "tokens_per_second", "acceptance_rate", "time_to_first_token",
+             "mtp_hit_rate", "mtp_avg_k_used", "mtp_error_propagation_rate", "stop_reason", "verify_forwards",
+             "prefill_seconds", "total_seconds", "draft_tokens", "proposed_tokens", "accepted_tokens",
+             "forward_passes_per_token"}
+    rows += [(k, v) for k, v in stats.items() if k not in known and not isinstance(v, (dict, list))]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
 def override_key(override: str) -> str:
     """``strategy.select_k.k`` for ``+strategy.select_k.k=4`` (the dotted key an override sets)."""
     return override.split("=", 1)[0].lstrip("+~")
@@ -195,7 +217,6 @@ class Chat:
             self.say(f"unknown command {name}; /help lists them")
 
     def show_stats(self) -> None:
-        from mtpflow.cli import format_stats
 
         if self.last_result is None:
             self.say("no answer yet" if not self.last_stopped else "the last answer was stopped: no figures")
@@ -238,7 +259,7 @@ def open_history() -> Callable[[], None]:
         import readline
     except ImportError:  # e.g. Windows without pyreadline
         return lambda: None
-    from mtpflow.model import cache_dir
+    from mtpflow.host import cache_dir
 
     path = cache_dir() / "chat_history"
     try:

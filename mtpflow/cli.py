@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+from mtpflow.chat import format_stats
+
 USAGE = """usage: python -m mtpflow [key=value ...]
 
   strategy=NAME        decoding strategy (python -m mtpflow --strategies lists them)
@@ -17,28 +19,6 @@ USAGE = """usage: python -m mtpflow [key=value ...]
   model.name=ID|PATH   any HF causal LM or .gguf (default: embedded SmolLM2-135M-Instruct)
   output=json          one JSON document (text, token_ids, stats) instead of streaming
 """
-
-
-def format_stats(stats: dict) -> str:
-    rows = [
-        ("tokens", stats.get("new_tokens")),
-        ("forward passes", stats.get("forward_passes")),
-        ("MAL (tokens / verify forward)", stats.get("mal")),
-        ("tokens/s", stats.get("tokens_per_second")),
-        ("acceptance rate", stats.get("acceptance_rate")),
-        ("time to first token (s)", stats.get("time_to_first_token")),
-        ("hit rate", stats.get("mtp_hit_rate")),
-        ("avg K", stats.get("mtp_avg_k_used")),
-        ("error propagation rate", stats.get("mtp_error_propagation_rate")),
-        ("stop reason", stats.get("stop_reason")),
-    ]
-    known = {"new_tokens", "forward_passes", "mal", "tokens_per_second", "acceptance_rate", "time_to_first_token",
-             "mtp_hit_rate", "mtp_avg_k_used", "mtp_error_propagation_rate", "stop_reason", "verify_forwards",
-             "prefill_seconds", "total_seconds", "draft_tokens", "proposed_tokens", "accepted_tokens",
-             "forward_passes_per_token"}
-    rows += [(k, v) for k, v in stats.items() if k not in known and not isinstance(v, (dict, list))]
-    width = max(len(r[0]) for r in rows)
-    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
 def stdin_is_terminal() -> bool:
@@ -72,12 +52,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         from mtpflow.config import available_strategies, compose, read_prompt, validate
+        from mtpflow.host import check_named_profile
 
         if "--strategies" in argv:
             print("\n".join(available_strategies()))
             return 0
         cfg = compose(argv)
         validate(cfg)
+        check_named_profile(cfg.get("profile"))  # a damaged or foreign tuning profile: one line, before the load
         if cfg.get("prompt") is None and not cfg.get("prompt_file"):
             if stdin_is_terminal():
                 if cfg.output == "json":

@@ -11,17 +11,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from mtpflow.conf import conf_dir
 from mtpflow.errors import ConfigError, UserError, check_int, check_range
 
 _compose_lock = threading.Lock()  # Hydra's global state is not thread-safe
-
-
-def conf_dir() -> Path:
-    """The packaged ``mtpflow/conf/`` folder."""
-    path = Path(__file__).resolve().parent / "conf"
-    if not (path / "config.yaml").exists():
-        raise RuntimeError("mtpflow's conf/ folder is missing from the installation")
-    return path
 
 
 def strategy_dirs() -> list[Path]:
@@ -114,6 +107,15 @@ def stop_strings(cfg: DictConfig) -> tuple[str, ...]:
 BATCH_K = ("auto", "off")
 
 
+def certified_head_enabled(config) -> bool:
+    """``model.certified_head`` of a config (a run's ``context.config`` or the engine's; default true): greedy
+    sequences may take the backend's certified int8 LM head. True or false; one line otherwise."""
+    value = ((config or {}).get("model") or {}).get("certified_head", True)
+    if not isinstance(value, bool):
+        raise ConfigError(f"model.certified_head must be true or false, got {value!r}")
+    return value
+
+
 def check_batch_k(value) -> str:
     """The engine's batch-aware K setting, ``auto`` or ``off``; a YAML 1.1 reader turns a bare ``off`` into
     false, which means ``off`` here."""
@@ -144,11 +146,20 @@ def validate(cfg: DictConfig) -> None:
     from mtpflow.kernels.dispatch import check_backend_usable
 
     check_backend_usable(cfg.get("kernels") or "auto")
-    from mtpflow.kernels.cpu_linear import check_mode, check_quantize
+    from mtpflow.backends import check_name
+    from mtpflow.model import check_quantize, resolve_device
 
-    mode = check_mode(cfg.model.get("cpu_linear", "auto"))
-    if check_quantize(cfg.model.get("quantize")) and mode == "stock":
-        raise ConfigError("model.quantize=int8 runs through mtpflow's CPU linears: it needs model.cpu_linear=auto or packed")
+    resolve_device(cfg.model.get("device", "auto"))  # model.device=cuda without CUDA: one line before anything starts
+
+    backend = check_name(cfg.model.get("backend", "auto"))
+    if backend == "cuda_graph":  # a bucket it cannot capture: one line before the model loads
+        from mtpflow.backends.cuda_graph import check_rows
+
+        check_rows(list(cfg.model.get("graph_rows") or [1]), check_int("model.graph_capacity",
+                                                                      cfg.model.get("graph_capacity", 2048), 16))
+    if check_quantize(cfg.model.get("quantize")) and backend == "hf":
+        raise ConfigError("model.quantize=int8 runs on the native_cpu backend: it needs model.backend=auto or native_cpu")
+    certified_head_enabled(cfg)
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

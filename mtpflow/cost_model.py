@@ -1,7 +1,8 @@
 """The cost model: what a verify forward costs on this machine and what drafting is expected to gain.
 
-- ``load_verify_costs`` measures the cost of one sequence's verify forward per draft length once per device,
-  model, dtype and thread count (cached on disk); ``CostCurve`` turns it into relative costs;
+- ``load_verify_costs`` reads the cost of one sequence's verify forward per draft length from the host's tuning
+  profile (``mtpflow.host``; ``python -m mtpflow.tune``), measuring a missing entry once; ``cost_key`` names the
+  entry; ``CostCurve`` turns it into relative costs;
 - ``expected_tokens`` / ``best_k`` / ``CostCurve.best_length``: the expected-tokens-per-second rule used by
   K selectors (``hardware_aware``, ``jacobi``), pruners (PFS) and proposers (cost-aware prompt lookup,
   ``draft_model``);
@@ -11,15 +12,19 @@
 """
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from mtpflow.errors import ConfigError
+from mtpflow.errors import ConfigError, UserError
+from mtpflow.host import load_profile, profile_entry, profile_path, tuning_notice, update_profile
 
 AUTO = "auto"
-COST_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # the K set whose verify cost is measured (and cached) for cost models
+COST_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # the K set whose verify cost is measured (into the profile) for cost models
+VERIFY_CONTEXT = 256  # the cached prefix length verify costs are measured on (``strategy.select_k.cost_context``)
+BATCH_CONTEXT = 128  # ... and the batch grid
 
 
 def device_name(device: str) -> str:
@@ -45,18 +50,19 @@ def best_k(costs: dict[int, float], acceptance: float) -> int:
 
 
 @torch.inference_mode()
-def time_verify_forwards(model, ks, context: int, repeats: int, argmax_only: bool = False) -> dict[int, list[float]]:
+def time_verify_forwards(backend, ks, context: int, repeats: int, argmax_only: bool = False) -> dict[int, list[float]]:
     """{K: ``repeats`` timings in seconds} of a verify forward feeding the root plus K random draft tokens on a
     ``context``-token cache; the Ks are interleaved so background load drifts hit them alike, after one
-    warm-up round. ``argmax_only``: time the forward a greedy sequence runs (``Target.argmax_only``)."""
+    warm-up round, through ``backend`` (``mtpflow.backends``). ``argmax_only``: time the forward a greedy
+    sequence runs (``Target.argmax_only``)."""
     from tqdm import tqdm
 
     from mtpflow.target import Target
     from mtpflow.types import Draft
 
     g = torch.Generator().manual_seed(0)
-    vocab = int(model.config.vocab_size)
-    target = Target(model)
+    vocab = int(backend.model.config.vocab_size)
+    target = Target(backend)
     target.argmax_only = argmax_only
     target.prefill(torch.randint(0, vocab, (context,), generator=g))
     drafts = {k: Draft.chain(torch.randint(0, vocab, (k,), generator=g)) for k in ks}
@@ -78,44 +84,104 @@ def time_verify_forwards(model, ks, context: int, repeats: int, argmax_only: boo
     return times
 
 
-def cost_cache_path(device: str, model_id: str, dtype: str, context: int, ks: list[int], host: str = "") -> Path:
-    from mtpflow.model import measurement_path
+def context_backend(context):
+    """The backend a run's forwards go through (``RunContext.backend``; a context built without an engine gets
+    the ``hf`` backend over its model)."""
+    backend = getattr(context, "backend", None)
+    if backend is None:
+        from mtpflow.backends import HFBackend
 
-    key = [device, model_id, dtype, context, sorted(ks)] + ([host] if host else [])
-    return measurement_path("verify_cost", *key)
+        backend = HFBackend(context.model)
+    return backend
 
 
-def load_verify_costs(context, ks=COST_KS, cost_context: int = 256, repeats: int = 5,
-                      name: str | None = None) -> tuple[dict[int, float], str]:
-    """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device: measured
-    once per device (on a CPU: per CPU model and thread count), model, dtype, linear kind
-    (``mtpflow.kernels.cpu_linear``) and K set, then read from ``~/.cache/mtpflow/verify_cost``. Shared by
-    ``HardwareAwareK`` and the cost-aware prompt lookup. The fastest repeat counts; a curve measured on a busy
-    CPU is measured again by a later load that finds it quiet (``mtpflow.model.cached_timing``). A greedy run
-    with ``model.certified_head`` on times the forward its sequences run (the certified LM head), others the
-    float32 head: two curves, each cached under its own key."""
-    from mtpflow.kernels import certified_head, cpu_linear
-    from mtpflow.model import cached_timing
+def profile_setting(config) -> str | None:
+    """The config key ``profile`` (a profile file named for this run) of a resolved config, or None."""
+    return (config or {}).get("profile") or None if hasattr(config or {}, "get") else None
 
-    model = context.model
-    name = name or device_name(context.device)
-    ks = sorted(set(ks))
+
+def cost_key(backend, model_id: str, device: str, argmax_only: bool) -> str:
+    """The tuning-profile key of a target's forward costs: model id, dtype, device name (``device_name``), what
+    computes the forwards (``backend.describe()``), and whether the timed sequences read only the argmax (greedy
+    ones: the certified LM head where the backend has one). The one place that describes a forward for cost
+    measurements."""
+    dtype = str(backend.model.dtype).removeprefix("torch.")
+    reads = "argmax-only" if argmax_only else "logits"
+    return " | ".join((model_id, dtype, device, backend.describe(), reads))
+
+
+def cost_cache_path(profile: str | None = None) -> Path:
+    """Where cost measurements are kept: the tuning profile (``mtpflow.host.profile_path``)."""
+    return profile_path(profile)
+
+
+def verify_cost_context(model, cost_context: int, ks) -> int:
+    """The cached prefix length a verify cost is measured on: ``cost_context`` within the model's context."""
     limit = int(getattr(model.config, "max_position_embeddings", 0) or 2048) - max(ks) - 2
-    ctx = max(1, min(cost_context, limit))
-    linear = cpu_linear.state(model)
+    return max(1, min(int(cost_context), limit))
+
+
+def stored_verify_costs(entry: dict | None, exact: bool, context: int, ks) -> dict[int, float] | None:
+    """{K: seconds} for ``ks`` at ``context`` from a profile entry (``mtpflow.host.profile_entry``), or None
+    where it lacks them. A fallback entry (``exact`` false) serves any context and K: its nearest context's
+    curve, interpolated (``CostCurve``) between its Ks."""
+    curves = {int(c): {int(k): float(v) for k, v in curve.items()} for c, curve in (entry or {}).get("verify", {}).items()}
+    if exact:
+        curve = curves.get(int(context))
+        return {k: curve[k] for k in ks} if curve and set(ks) <= set(curve) else None
+    if not curves:
+        return None
+    curve = curves[min(curves, key=lambda c: (abs(c - context), c))]
+    relative = CostCurve(curve)
+    return {k: curve[k] if k in curve else curve[0] * relative(k) for k in ks}
+
+
+def load_verify_costs(context, ks=COST_KS, cost_context: int = VERIFY_CONTEXT, repeats: int = 5,
+                      name: str | None = None) -> tuple[dict[int, float], str]:
+    """({K: seconds per verify forward}, "cached" | "measured") for the run's model and device, from the tuning
+    profile (``mtpflow.host``; ``python -m mtpflow.tune`` fills it), keyed by ``cost_key``. Shared by
+    ``HardwareAwareK``, the cost-aware prompt lookup, the PFS pruner and ``draft_model``. A key the profile lacks
+    is measured once, with a one-line notice, and stored. A greedy run on a backend with a cheaper head for
+    sequences that read only the argmax (the certified LM head, ``model.certified_head``) reads that forward's
+    curve, others the full head's. ``name`` replaces the device's name (``strategy.select_k.device_name``)."""
+    backend = context_backend(context)
+    config = getattr(context, "config", None)
+    ks = sorted(set(int(k) for k in ks))
+    ctx = verify_cost_context(backend.model, cost_context, ks)
     greedy = getattr(getattr(context, "sampling", None), "greedy", True)  # a context without sampling: greedy
-    argmax_only = bool(greedy and certified_head.enabled(getattr(context, "config", None)))
-    if argmax_only:
-        linear += " certified-head"
-    host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if torch.device(context.device).type == "cpu" else ""
-    path = cost_cache_path(name, context.model_id, f"{model.dtype}/{linear}/fastest", ctx, ks, host)
+    argmax_only = bool(greedy and backend.takes_argmax_only())
+    key = cost_key(backend, context.model_id, name or device_name(context.device), argmax_only)
+    explicit = profile_setting(config)
+    costs = stored_verify_costs(*profile_entry(load_profile(explicit), key), ctx, ks)
+    if costs is not None:
+        return costs, "cached"
+    tuning_notice()
+    return tune_verify_costs(backend, key, ks, ctx, repeats, argmax_only, explicit, strict=False), "measured"
 
-    def record(fastest: dict[int, float]):
-        return fastest, {"device": name, "host": host, "model": context.model_id, "dtype": str(model.dtype),
-                         "linear": linear, "context": ctx, "seconds": {str(k): v for k, v in fastest.items()}}
 
-    return cached_timing(path, lambda stored: {int(k): float(v) for k, v in stored["seconds"].items()},
-                         lambda: time_verify_forwards(model, ks, ctx, repeats, argmax_only), record)
+def tune_verify_costs(backend, key: str, ks, context: int, repeats: int, argmax_only: bool,
+                      profile: str | None = None, strict: bool = True) -> dict[int, float]:
+    """Measure {K: seconds} (``time_verify_forwards``, the fastest repeat) and store it in the profile under
+    ``key`` at ``context`` (measured Ks replace stored ones, others stay). ``strict``: a profile that cannot be
+    written is a UserError; otherwise one line, and the run goes on with what it measured."""
+    times = time_verify_forwards(backend, ks, context, repeats, argmax_only)
+    fastest = {k: min(v) for k, v in times.items()}
+
+    def change(data):
+        curves = data["entries"].setdefault(key, {}).setdefault("verify", {})
+        curves[str(context)] = {**curves.get(str(context), {}), **{str(k): v for k, v in sorted(fastest.items())}}
+
+    _store(change, profile, strict)
+    return fastest
+
+
+def _store(change, profile: str | None, strict: bool) -> None:
+    try:
+        update_profile(change, profile)
+    except UserError as exc:
+        if strict:
+            raise
+        print(f"mtpflow: {exc}: measured again next run", file=sys.stderr)
 
 
 class CostCurve:
@@ -220,27 +286,30 @@ class ProbeSchedule:
 
 
 # ----- the batch: one verify forward for every running sequence --------------------------------------------------
-BATCH_SIZES = (1, 4, 16)  # measured; sizes between are interpolated (the first batched step pays ~10 s once)
+# measured; sizes between are interpolated (the first batched step pays a one-time warm-up, so each measured size
+# costs; host figure: docs/bench/code-figures.md#cost_model-batch_sizes)
+BATCH_SIZES = (1, 4, 16)
 BATCH_ROWS = (1, 3, 9, 17)  # rows per sequence in a forward: the root plus 0, 2, 8, 16 draft nodes
 
 
 @torch.inference_mode()
-def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context: int = 128,
+def measure_batch_costs(backend, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context: int = 128,
                         repeats: int = 2, argmax_only: bool = False) -> dict[tuple[int, int], list[float]]:
-    """{(sequences, rows per sequence): seconds of each repeat} of ``mtpflow.target.verify_batch`` over caches of
-    ``context`` tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
+    """{(sequences, rows per sequence): seconds of each repeat} of ``backend.verify`` over caches of ``context``
+    tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
     from tqdm import tqdm
 
     from mtpflow.kv_cache import KVPool
-    from mtpflow.target import Target, verify_batch
+    from mtpflow.target import Target
     from mtpflow.types import Draft
 
+    model = backend.model
     g = torch.Generator().manual_seed(0)
     vocab = int(model.config.vocab_size)
     times: dict[tuple[int, int], list[float]] = {}
     for b in tqdm(batch_sizes, desc="measuring batch verify cost", unit="batch size", leave=False):
         pool = KVPool(model, b)
-        targets = [Target(model, pool=pool) for _ in range(b)]
+        targets = [Target(backend, pool=pool) for _ in range(b)]
         for t in targets:
             t.argmax_only = argmax_only  # greedy sequences (the certified LM head where it applies)
             t.prefill(torch.randint(0, vocab, (context,), generator=g))
@@ -248,7 +317,7 @@ def measure_batch_costs(model, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, context
             for q in rows:
                 drafts = [Draft.chain(torch.randint(0, vocab, (q - 1,), generator=g)) for _ in targets]
                 t0 = time.perf_counter()
-                verify_batch(model, targets, [1] * b, drafts, [context] * b)
+                backend.verify(targets, [1] * b, drafts, [context] * b)
                 seconds = time.perf_counter() - t0
                 for t in targets:
                     t.cache_len = context  # roll back by position
@@ -312,23 +381,41 @@ class BatchCostModel:
         return best
 
 
-def load_batch_costs(loaded, context: int = 128, repeats: int = 2,
-                     argmax_only: bool = False) -> tuple[BatchCostModel, str]:
-    """The batch cost model for a loaded model on this machine, measured once and cached on disk;
-    ``argmax_only``: of greedy sequences' verify forwards (``Target.argmax_only``)."""
-    from mtpflow.kernels import cpu_linear
-    from mtpflow.model import cached_timing, measurement_path
+def stored_batch_costs(entry: dict | None, exact: bool, context: int) -> dict[tuple[int, int], float] | None:
+    """{(B, q): seconds} at ``context`` from a profile entry, or None where it has none (a fallback entry: its
+    nearest context's grid)."""
+    grids = {int(c): grid for c, grid in (entry or {}).get("batch", {}).items()}
+    if not grids or (exact and int(context) not in grids):
+        return None
+    grid = grids[int(context)] if int(context) in grids else grids[min(grids, key=lambda c: (abs(c - context), c))]
+    return {(int(b), int(q)): float(seconds) for b, q, seconds in grid}
 
-    model = loaded.model
-    host = f"{cpu_linear.cpu_name()} x{torch.get_num_threads()}" if loaded.device.type == "cpu" else device_name(str(loaded.device))
-    linear = cpu_linear.state(model) + (" certified-head" if argmax_only else "")
-    key = ("batch", loaded.model_id, str(model.dtype), linear, host, context, BATCH_SIZES, BATCH_ROWS)
-    path = measurement_path("batch_cost", *key)
 
-    def record(fastest: dict[tuple[int, int], float]):
-        return BatchCostModel(fastest), {"model": loaded.model_id, "host": host, "context": context,
-                                         "grid": [[b, q, s] for (b, q), s in sorted(fastest.items())]}
+def load_batch_costs(loaded, backend, context: int = BATCH_CONTEXT, repeats: int = 2, argmax_only: bool | None = None,
+                     profile: str | None = None) -> tuple[BatchCostModel, str]:
+    """(the batch cost model, "cached" | "measured") for a loaded model's ``backend`` on this machine, from the
+    tuning profile (``profile``: the config key ``profile``, else ``MTPFLOW_PROFILE`` or the host's default
+    file), keyed by ``cost_key``; a key the profile lacks is measured once, with a one-line notice, and stored.
+    ``argmax_only`` (default: where the backend takes it): of greedy sequences' verify forwards."""
+    argmax_only = backend.takes_argmax_only() if argmax_only is None else bool(argmax_only)
+    key = cost_key(backend, loaded.model_id, device_name(str(loaded.device)), argmax_only)
+    grid = stored_batch_costs(*profile_entry(load_profile(profile), key), context)
+    if grid is not None:
+        return BatchCostModel(grid), "cached"
+    tuning_notice()
+    return tune_batch_costs(backend, key, context, repeats, argmax_only, profile, strict=False), "measured"
 
-    return cached_timing(path, lambda stored: BatchCostModel({(int(b), int(q)): float(s) for b, q, s in stored["grid"]}),
-                         lambda: measure_batch_costs(model, context=context, repeats=repeats,
-                                                     argmax_only=argmax_only), record)
+
+def tune_batch_costs(backend, key: str, context: int, repeats: int, argmax_only: bool, profile: str | None = None,
+                     strict: bool = True) -> BatchCostModel:
+    """Measure the batch grid (``measure_batch_costs``, the fastest repeat) and store it in the profile under
+    ``key`` at ``context`` (replacing a stored one); ``strict`` as for ``tune_verify_costs``."""
+    fastest = {case: min(v) for case, v in measure_batch_costs(backend, context=context, repeats=repeats,
+                                                               argmax_only=argmax_only).items()}
+
+    def change(data):
+        grid = [[b, q, s] for (b, q), s in sorted(fastest.items())]
+        data["entries"].setdefault(key, {}).setdefault("batch", {})[str(context)] = grid
+
+    _store(change, profile, strict)
+    return BatchCostModel(fastest)

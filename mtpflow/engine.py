@@ -7,10 +7,12 @@
 
 A FIFO queue feeds a running batch of at most ``max_batch_size`` sequences. Each step, every running
 sequence drafts with its own stages, ONE target forward verifies all drafts (``mtpflow.loop.decode_step``),
-and each commits its own tokens. Requests join and leave between steps; a joining request's prefill runs
-alone, at most one per step while others are decoding, so it never stalls them for longer than one prompt's
-prefill. One background thread owns the model, the KV pool and every stage call; ``submit`` is safe from
-any thread, and handles can be awaited from asyncio.
+and each commits its own tokens. Requests join and leave between steps; the requests admitted together are
+prefilled together (packed rows), and while others decode at most ``prefill_tokens_per_step`` prompt tokens join
+per step, so joining requests stall the running ones for a bounded time. One backend (``mtpflow.backends``,
+``model.backend``) runs every target forward; the engine owns the KV pool it runs them over. One background
+thread owns the model, the KV pool and every stage call; ``submit`` is safe from any thread, and handles can be
+awaited from asyncio.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import asyncio
 import atexit
 import collections
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -26,11 +29,10 @@ from typing import Any, Callable, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
-from mtpflow.errors import UserError, check_int
-from mtpflow.kernels import certified_head, cpu_linear, openmp
+from mtpflow.config import available_strategies, certified_head_enabled, check_batch_k, compose, to_container, validate
+from mtpflow.errors import UserError, check_int, debug_enabled, describe, internal_cause, traceback_text
+from mtpflow.backends import create as create_backend
 from mtpflow.kernels.dispatch import use_backend
-from mtpflow.kv_cache import KVPool
 from mtpflow.loop import Sequence, StepCallback, decode_step
 from mtpflow.model import load_configured
 from mtpflow.plugins import build_stages, make_plugin_manager
@@ -39,6 +41,8 @@ from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
 from mtpflow.shared import SharedState
 from mtpflow.target import prefill_many
 from mtpflow.types import DecodeResult
+
+log = logging.getLogger("mtpflow")  # a request's internal error: its traceback, at ERROR
 
 IDLE_EXIT_SECONDS = 10.0
 WAITING, RUNNING, COMPLETE, FAILED, INTERRUPTED = "waiting", "running", "complete", "failed", "interrupted"
@@ -225,13 +229,16 @@ class Engine:
         self.default_strategy = str(cfg.strategy.get("name"))
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
         build_stages(cfg.strategy)  # the default strategy's parameters are checked before the (slow) model load
-        self.certified_head = certified_head.enabled(cfg)
         # ``loaded`` lets tests, the playground and pipelines share a model that is already in memory
         self.loaded = loaded or load_configured(m)
-        self.packed_linear = cpu_linear.prepare(self.loaded.model, m.get("cpu_linear", "auto"))
+        # the one backend that runs every target forward of this engine (mtpflow.backends)
+        self.backend = create_backend(self.loaded.model, m.get("backend", "auto"), int8=self.loaded.int8,
+                                      certified_head=certified_head_enabled(cfg),
+                                      graph_capacity=check_int("model.graph_capacity", m.get("graph_capacity", 2048), 16),
+                                      graph_rows=list(m.get("graph_rows") or (1, 2, 4, 8, 16, 32, 64)))
         self.run_plugins = list(run_plugins)
         self.shared = SharedState()  # state shared on purpose across requests (a suffix cache, calibration)
-        self.pool = KVPool(self.loaded.model, self.max_batch_size)
+        self.pool = self.backend.make_pool(self.max_batch_size)
         self._base_config = to_container(cfg)
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
@@ -285,6 +292,7 @@ class Engine:
         config["strategy"] = OmegaConf.to_container(strategy, resolve=True)
         object.__setattr__(prepared.context, "config", config)
         object.__setattr__(prepared.context, "shared", self.shared)
+        object.__setattr__(prepared.context, "backend", self.backend)
         return prepared, config
 
     def check(self, request: Request) -> int:
@@ -321,7 +329,7 @@ class Engine:
             self._queue.append(handle)
             self._start_thread()
             self._lock.notify_all()
-        openmp.release_workers()  # this thread now mostly waits: its idle OpenMP workers would slow the engine's
+        self.backend.thread_idle()  # this thread now mostly waits: what it holds would slow the engine's thread
         return handle
 
     def submit_many(self, requests: list[Request], **kwargs) -> list[RequestHandle]:
@@ -395,12 +403,11 @@ class Engine:
             self._thread.start()
 
     def _serve(self) -> None:
-        with use_backend(self.cfg.get("kernels") or "auto"), cpu_linear.packed(self.packed_linear), \
-                torch.inference_mode():
+        with use_backend(self.cfg.get("kernels") or "auto"), self.backend.running(), torch.inference_mode():
             while True:
                 with self._lock:
                     if not (self._queue or self._running or self._closing):
-                        openmp.release_workers()  # idle: let a caller's own torch work spin at full speed
+                        self.backend.thread_idle()  # idle: let a caller's own torch work run at full speed
                     if not self._lock.wait_for(lambda: self._queue or self._running or self._closing,
                                                IDLE_EXIT_SECONDS):
                         self._thread = None  # idle: the thread ends (an unused engine can be collected);
@@ -458,7 +465,8 @@ class Engine:
             p = handle.prepared
             seq = None
             try:
-                seq = Sequence(handle._plugin_manager, self.loaded, p.context, stop=p.stop, need_hidden=p.need_hidden,
+                seq = Sequence(handle._plugin_manager, self.loaded, self.backend, p.context, stop=p.stop,
+                               need_hidden=p.need_hidden,
                                context_window=p.context_window, pool=self.pool, on_step=handle._on_step,
                                keep_steps=handle._keep_steps, prefix_cache=prefix_cache)
                 handle.status = RUNNING
@@ -496,7 +504,7 @@ class Engine:
         sequences = [s for s, _ in self._running]
         before = sum(s.stats.new_tokens for s in sequences)
         try:
-            decode_step(sequences, self.loaded.model, rows_cap=self._rows_cap if self.batch_k == "auto" else None,
+            decode_step(sequences, self.backend, rows_cap=self._rows_cap if self.batch_k == "auto" else None,
                         on_error=lambda s, e: errors.__setitem__(id(s), e))
         except BaseException as exc:  # noqa: BLE001 - the shared forward failed: every sequence in it fails
             errors.update({id(s): exc for s in sequences if id(s) not in errors})
@@ -519,23 +527,51 @@ class Engine:
         if self._batch_costs is None:
             from mtpflow.cost_model import load_batch_costs
 
-            self._batch_costs, _ = load_batch_costs(self.loaded, argmax_only=self.certified_head)
+            self._batch_costs, _ = load_batch_costs(self.loaded, self.backend, profile=self.cfg.get("profile"))
         return self._batch_costs.best_rows([s.acceptance.value for s in sequences], sizes)
 
     def _end(self, seq: Sequence | None, handle: RequestHandle, error: BaseException | None) -> None:
+        """End a request: its run-end hooks, then its handle's status, result and error. An internal error (not a
+        ``UserError``) becomes one line naming the stage and the exception (``decoding failed in stage propose
+        (Class, strategy pld): ZeroDivisionError: ...``); its traceback goes to the ``mtpflow`` logger at ERROR
+        and, through the stage timer, into the result's stats for ``on_run_end`` (the trace recorder stores it
+        with the run). A third-party plugin's ``PluginError`` is already the user's one line: its cause is logged
+        at DEBUG. ``MTPFLOW_DEBUG=1`` hands the caller the original exception instead."""
+        def report(error: BaseException) -> str:
+            cause = internal_cause(error)
+            stage, plugin = (seq.timer.stage_of(error) or (seq.stage, None)) if seq is not None else ("start", None)
+            strategy = handle.prepared.context.strategy
+            where = f"{plugin}, strategy {strategy}" if plugin else f"strategy {strategy}"
+            if isinstance(error, UserError):  # a PluginError: it names the plugin and the hook itself
+                line = str(error)
+                log.debug("request %s: %s (stage %s)", handle.id, line, stage, exc_info=cause)
+            else:
+                line = f"decoding failed in stage {stage} ({where}): {describe(error)}"
+                log.error("request %s: %s", handle.id, line, exc_info=cause)
+            if seq is not None:
+                seq.timer.report = {"error": line, "error_traceback": traceback_text(cause)}
+            return line
+
         with self._lock:
             self._running = [(s, h) for s, h in self._running if h is not handle]
             self._lock.notify_all()  # a submit waiting for room
         interrupted = isinstance(error, KeyboardInterrupt)
         status = INTERRUPTED if interrupted else FAILED if error is not None else COMPLETE
+        line = report(error) if status == FAILED and internal_cause(error) is not None else None
         result = None
         try:
             result = seq.end(status) if seq is not None else None
         except BaseException as exc:  # noqa: BLE001 - on_run_end of a broken plugin
             if error is None:
                 error, status = exc, FAILED
-        if status == FAILED and not isinstance(error, UserError):
-            error = _as_user_error(error)
+                line = report(exc) if internal_cause(exc) is not None else None
+        if result is not None:
+            result.stats.pop("error_traceback", None)  # in the run's trace; the one line stays in its stats
+        cause = internal_cause(error) if status == FAILED else None
+        if cause is not None and debug_enabled():
+            error = cause  # MTPFLOW_DEBUG=1: the caller gets the original exception, traceback and all
+        elif status == FAILED and not isinstance(error, UserError):
+            error = _as_user_error(error, line)
         handle._finish(status, result, None if interrupted else error)
 
 
@@ -545,6 +581,9 @@ def _stop_at_exit(ref) -> None:
         engine.shutdown(drain=False, timeout=5.0)
 
 
-def _as_user_error(error: BaseException) -> UserError:
-    """A stage that raised mid-decode fails its request with one line naming the error."""
-    return UserError(f"decoding failed: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+def _as_user_error(error: BaseException, line: str | None = None) -> UserError:
+    """A stage that raised mid-decode fails its request with one line naming the stage and the error (``line``,
+    built by ``Engine._end``); the original stays reachable as ``__cause__``."""
+    wrapped = UserError(line or f"decoding failed: {describe(error)}")
+    wrapped.__cause__ = error
+    return wrapped

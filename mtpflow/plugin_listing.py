@@ -65,7 +65,7 @@ def _stage_classes(targets: dict[str, list[str]]) -> dict[str, object]:
 
 def describe() -> dict:
     """Everything the listing prints, as plain data."""
-    from mtpflow.config import conf_dir
+    from mtpflow.conf import conf_dir
     from mtpflow.defaults import CoreDefaults
 
     builtin_targets = strategy_targets(conf_dir() / "strategy")

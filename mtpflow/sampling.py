@@ -1,5 +1,7 @@
 """The target distribution: temperature, top-k and top-p applied to logits, in the order HF applies them,
-and the samplers the gates and the re-scorer share."""
+and the samplers the gates and the re-scorer share. Probabilities stay on the logits' device; a draw runs
+where its generator lives (each run's ``rng`` is a CPU generator), so a seed picks the same tokens whether
+the model runs on the CPU or on a GPU."""
 from __future__ import annotations
 
 import torch
@@ -27,7 +29,10 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a [vocab] distribution."""
+    """Draw one token id from a [vocab] distribution (on ``generator``'s device: multinomial refuses a
+    generator of another device, and a CPU draw keeps a seed's tokens the same on every device)."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

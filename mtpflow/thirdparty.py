@@ -237,7 +237,7 @@ def _load_one(ep, dist: str) -> ThirdPartyPlugin:
 
 def _drop_shadowed_strategies(found: list[ThirdPartyPlugin]) -> list[ThirdPartyPlugin]:
     """A plugin may not replace a built-in strategy or another plugin's: Hydra would pick one silently."""
-    from mtpflow.config import conf_dir
+    from mtpflow.conf import conf_dir
 
     taken = {p.stem: "mtpflow" for p in (conf_dir() / "strategy").glob("*.yaml")}
     out = []

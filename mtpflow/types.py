@@ -198,6 +198,9 @@ class RunContext:
     # objects shared on purpose across the requests of one engine (mtpflow.shared.SharedState): a suffix
     # cache, calibration. Everything else a stage holds belongs to its own sequence.
     shared: Any = None
+    # the engine's backend (mtpflow.backends.Backend): what runs the target's forwards; cost measurements key on
+    # its ``describe()``
+    backend: Any = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """Peer baseline: vLLM (CPU build) on the same model, prompts and batch settings as
 ``python -m mtpflow.bench mode=batch``.
 
+``python -m mtpflow.bench peers=[vllm]`` runs vLLM in the same bench run as mtpflow, on the same prompt tokens,
+its rows in the same table (``mtpflow/tools/peers.py``; docs/benchmarks.md, "Peers"). This script stays for
+what that does not cover: EAGLE drafts (``--spec eagle --draft DIR``), ``--dump``, ``ignore_eos`` runs.
+
 Run it with the separate vLLM virtual environment, never with mtpflow's (vLLM pins other transformers/torch
 versions); it does not import mtpflow:
 
@@ -48,7 +52,7 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def mtpflow_cache_dir() -> Path:
-    """mtpflow.model.cache_dir(), repeated here so this script need not import mtpflow."""
+    """mtpflow.host.cache_dir(), repeated here so this script need not import mtpflow."""
     root = os.environ.get("MTPFLOW_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtpflow")
     return Path(root)
@@ -98,38 +102,20 @@ def render(tokenizer, prompt: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def spec_counters(llm) -> dict:
-    """Cumulative speculative-decoding counters from vLLM's metrics (empty without speculation)."""
-    out: dict = {}
-    try:
-        metrics = llm.get_metrics()
-    except Exception:  # noqa: BLE001 - metrics are optional
-        return out
-    for m in metrics:
-        if m.name in ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-                      "vllm:spec_decode_num_accepted_tokens"):
-            key = m.name.split("spec_decode_")[1]
-            out[key] = out.get(key, 0) + int(m.value)
-        elif m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
-            prev = out.get("accepted_per_pos", [])
-            vals = list(m.values)
-            out["accepted_per_pos"] = [a + b for a, b in zip(prev + [0] * len(vals), vals)] if prev else vals
-    return out
+def _shared_helpers():
+    """vLLM's counters are read as ``python -m mtpflow.bench peers=[vllm]`` reads them: mtpflow/tools/peers.py
+    imports only the standard library at the top, so it loads here by path, without mtpflow installed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("mtpflow_tools_peers", ROOT / "mtpflow" / "tools" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def spec_delta(before: dict, after: dict) -> dict | None:
-    if not after:
-        return None
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
-    pos_a, pos_b = after.get("accepted_per_pos", []), before.get("accepted_per_pos", [])
-    pos_b = pos_b + [0] * (len(pos_a) - len(pos_b))
-    d["accepted_per_pos"] = [a - b for a, b in zip(pos_a, pos_b)]
-    if d["num_draft_tokens"]:
-        d["acceptance_rate"] = round(d["num_accepted_tokens"] / d["num_draft_tokens"], 4)
-    if d["num_drafts"]:
-        # tokens per verify step = accepted drafts + the target's own token
-        d["mean_acceptance_length"] = round(1 + d["num_accepted_tokens"] / d["num_drafts"], 4)
-    return d
+_helpers = _shared_helpers()
+spec_counters = _helpers.spec_counters  # cumulative speculative-decoding counters
+spec_delta = _helpers.spec_delta  # what they moved by between two readings
 
 
 def speculative_config(args) -> dict | None:

@@ -32,6 +32,19 @@ def count_runs(monkeypatch, module, name: str) -> list:
     return ran
 
 
+def write_profile(path, entries: dict, host: dict | None = None, fallback: str | None = None, version: int = 1):
+    """A tuning profile file (``mtpflow.host``) at ``path`` with ``entries`` ({key: {"verify": {context: {K:
+    seconds}}, "batch": {context: [[B, q, seconds], ...]}}}); ``host`` defaults to ``{"cpu": "*"}`` (any host)."""
+    import json
+    from pathlib import Path
+
+    data = {"version": version, "host": host or {"cpu": "*"}, "entries": entries}
+    if fallback is not None:
+        data["fallback"] = fallback
+    Path(path).write_text(json.dumps(data))
+    return Path(path)
+
+
 def make_tiny_tokenizer(vocab_size: int = 320):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -13,7 +13,8 @@ or three per row on the default model) get their exact float32 logits from the f
 approximation. So the argmax of every row is the float32 model's, ties included (first index); the entries near
 the top are exact and the rest are within the bound (the traces' probabilities of far-off tokens, token
 recycling's lower candidates). Sequences that read the whole distribution (sampling, typical or composite
-gates, the re-scorer) get the float32 head: ``Target.argmax_only``.
+gates, the re-scorer) get the float32 head: ``Target.argmax_only``; the ``native_cpu`` backend owns the head
+(``NativeCPUBackend.head_logits``).
 
 Memory: the int8 copy of the head weight plus three floats per token (28.9 MB for the default model), built on
 first use and rebuilt when the weight changes. Above ``MAX_ROWS`` rows the int8 kernel is no faster than the
@@ -28,8 +29,8 @@ from mtpflow.kernels import native_linear
 # float32 accumulation over k terms errs by at most about k * 2^-24 of the sum of |terms|; 2^-12 covers a hidden
 # size of 4,096 with margin (the bound also absorbs the rounding of the bound's own arithmetic)
 ROUNDING = 2.0 ** -12
-# widest verify (rows) that takes the int8 head: default model on a 2-core Xeon, head alone, medians of 30:
-# 1 / 9 / 17 / 33 rows int8 0.6 / 2.8 / 4.9 / 10.0 ms against float32 3.2-3.6 / 9.3 / 7.8 / 10.7 ms
+# widest verify (rows) that takes the int8 head: its lead over the float32 head shrinks as rows grow (compute, not
+# bytes, comes to bound it) and is gone by 33 rows (measured: docs/bench/code-figures.md#certified_head-max_rows)
 MAX_ROWS = 24
 
 
@@ -73,40 +74,10 @@ class CertifiedHead:
         return approx
 
 
-def check_enabled(value) -> bool:
-    """``model.certified_head``: true (greedy sequences may take the certified int8 head) or false (never)."""
-    if isinstance(value, bool):
-        return value
-    from mtpflow.errors import ConfigError
-
-    raise ConfigError(f"model.certified_head must be true or false, got {value!r}")
-
-
-def enabled(config) -> bool:
-    """``model.certified_head`` of a resolved config (a run's ``context.config`` or the engine's; default true)."""
-    model_cfg = (config or {}).get("model") or {}
-    return check_enabled(model_cfg.get("certified_head", True))
-
-
 def applies(head: torch.nn.Module, rows: int) -> bool:
     """True where ``rows`` rows of ``head`` may take the certified int8 path: a float32 CPU linear without bias,
-    not already quantized, the native kernels built, at most ``MAX_ROWS`` rows."""
+    the native kernels built, at most ``MAX_ROWS`` rows."""
     weight = getattr(head, "weight", None)
     return (rows <= MAX_ROWS and isinstance(head, torch.nn.Linear) and head.bias is None
             and weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and getattr(head, "_mtpflow_int8", None) is None and native_linear.available())
-
-
-def certified_logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    """``model.lm_head(hidden)`` (``hidden`` [..., rows, hidden]) with each row's argmax exact and the int8 head
-    where it applies (``applies``); the model keeps its ``CertifiedHead`` and rebuilds it when the weight changes."""
-    head = model.lm_head
-    rows = hidden.numel() // hidden.shape[-1]
-    if not applies(head, rows):
-        return head(hidden)
-    certified = getattr(model, "_mtpflow_certified_head", None)
-    weight = head.weight
-    if certified is None or certified.key != (weight.data_ptr(), weight._version):
-        certified = CertifiedHead(weight)
-        model._mtpflow_certified_head = certified
-    return certified.logits(hidden).view(*hidden.shape[:-1], -1)
+            and native_linear.available())

@@ -1,18 +1,22 @@
 """The native small-batch linear (``small_gemm.c``) for multi-row CPU verify forwards.
 
 Why: on a CPU a verify forward of 1 + K rows is bound by reading the weights, yet MKL's and oneDNN's
-float32 paths for 2 to 17 rows read them far slower than for one row (on the 2-core Intel Xeon this was
-built on, whole-model forwards of SmolLM2-135M, fastest of 7, best of MKL / oneDNN vs these kernels: 5 rows
-49 vs 36 ms, 9 rows 54 vs 47 ms, 17 rows 97 vs 76 ms; one row about 33 ms). Up to ``panel_min_rows() - 1``
+float32 paths for 2 to 17 rows read them far slower than for one row, and these kernels beat them there
+(measured: docs/bench/code-figures.md#native_linear-module-docstring). Up to ``panel_min_rows() - 1``
 rows the kernel reads each weight row once for all input rows and prefetches the next rows while it
-computes; from ``panel_min_rows()`` rows (6 on AVX-512, 3 on AVX2), a second kernel runs over a copy of
-the weight laid out in panels (``pack_panels``, built on first use by the caller); see the C file for how.
+computes; from ``panel_min_rows()`` rows (``PANEL_MIN_ROWS`` in the C file: 1 on AVX-512, 3 on AVX2), a
+second kernel runs over a copy of the weight laid out in panels (``pack_panels``, built on first use by the
+caller); see the C file for how.
 
 How: the C source ships in the package and is compiled on first use with the system C compiler
 (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native -fopenmp``) into ``~/.cache/mtpflow/native``, keyed by the
 source, the compiler and the CPU, then loaded with ctypes. Where there is no compiler, or the build fails,
-``available()`` is False and every caller keeps the MKL / oneDNN paths (``cpu_linear`` never offers the
-``native`` plan). ``MTPFLOW_NATIVE=0`` turns it off. The pure-torch reference is ``F.linear``.
+``available()`` is False and the ``native_cpu`` backend does not apply (``model.backend=auto`` runs ``hf``). ``MTPFLOW_NATIVE=0`` turns it off. The pure-torch reference is ``F.linear``
+(``native_reference`` holds every entry point's).
+
+``mtpflow_llama_rows`` takes one versioned struct (``struct mtpflow_rows_args``), mirrored here once as
+``RowsArgs`` and filled by ``llama_rows``; ``load`` refuses a build whose ABI version or struct size differs from
+the mirror's, with one line.
 """
 from __future__ import annotations
 
@@ -20,15 +24,25 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
 
 import torch
 
+from mtpflow.errors import UserError
+
 SOURCE = Path(__file__).with_name("small_gemm.c")
 PANEL = 64  # output features per panel (small_gemm.c)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# builds for a fixed instruction set (the harness, tests/kernels/test_native_harness.py, builds each one this CPU
+# runs): their -march flags, and the /proc/cpuinfo flags a CPU needs to run them. small_gemm.c takes 16-float
+# vectors where the compiler targets AVX-512 (__AVX512F__), else 8-float ones; the generic build is plain x86-64
+# (SSE2: its 8-float vectors compile to pairs of 4-float operations).
+ISA_FLAGS = {"generic": ("-march=x86-64", "-mtune=generic"), "avx2": ("-march=haswell",),
+             "avx512": ("-march=skylake-avx512",)}
+ISA_CPU_FLAGS = {"generic": (), "avx2": ("avx2", "fma"), "avx512": ("avx512f", "avx512bw", "avx512vl")}
 
 
 def compiler() -> str | None:
@@ -52,6 +66,34 @@ def build(cc: str, out: Path, flags: tuple[str, ...] = FLAGS, source: Path = SOU
         tmp.unlink(missing_ok=True)
 
 
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (the ``flags`` line of /proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The ``ISA_FLAGS`` builds this CPU can run (none off x86-64, where those flags do not apply)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ()
+    have = cpu_flags()
+    return tuple(isa for isa, need in ISA_CPU_FLAGS.items() if have.issuperset(need))
+
+
+def build_variant(isa: str, out: Path, cc: str | None = None, source: Path = SOURCE) -> bool:
+    """Compile ``source`` for instruction set ``isa`` (a key of ``ISA_FLAGS``) into ``out``; False when there is no
+    compiler or it fails. Whether this CPU can run the result is ``runnable_isas``' question."""
+    cc = cc or compiler()
+    if cc is None:
+        return False
+    return build(cc, out, ("-O3", *ISA_FLAGS[isa], "-fopenmp", "-shared", "-fPIC"), source)
+
+
 def source_hash() -> str:
     """The kernels' version: part of every cache key whose measurement depends on them."""
     return hashlib.sha1(SOURCE.read_bytes()).hexdigest() if SOURCE.exists() else ""
@@ -60,8 +102,7 @@ def source_hash() -> str:
 def build_path(cc: str) -> Path | None:
     """Where the build for compiler ``cc`` on this CPU is cached (None when ``cc`` cannot even report its
     version)."""
-    from mtpflow.kernels.cpu_linear import cpu_name
-    from mtpflow.model import measurement_path
+    from mtpflow.host import cpu_name, measurement_path
 
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -79,19 +120,81 @@ def library() -> ctypes.CDLL | None:
     path = build_path(cc) if cc is not None and SOURCE.exists() else None
     if path is None:
         return None
+    # a build that is no shared library (one cut short) is built again, once; one that loads but has another ABI is
+    # not ours (the path is keyed by the source's hash): load's one-line UserError propagates rather than a silent
+    # fall back to the slower paths
     for attempt in range(2):
         if not path.exists() and not build(cc, path):
             return None
         try:
             return load(path)
-        except (OSError, AttributeError):  # a damaged cached build: build it again, once
+        except OSError:
             path.unlink(missing_ok=True)
     return None
 
 
+ROWS_ABI = 1  # MTPFLOW_ROWS_ABI in small_gemm.c, of the struct RowsArgs mirrors: change both together
+ROWS_BAD_ABI = -2  # what mtpflow_llama_rows returns for a struct of another version or size (MTPFLOW_ROWS_BAD_ABI)
+
+
+class RowsArgs(ctypes.Structure):
+    """``struct mtpflow_rows_args`` of small_gemm.c, member for member (names, order, types): the one mirror of it.
+    Every pointer is a ``c_void_p`` (``llama_rows`` passes tensors' ``data_ptr()`` and ctypes pointer arrays)."""
+
+    _fields_ = [("version", ctypes.c_int), ("size", ctypes.c_int),
+                ("h", ctypes.c_void_p), ("normed", ctypes.c_void_p),
+                *[(name, ctypes.c_int) for name in ("M", "L", "H", "nh", "nkv", "d", "I")],
+                *[(name, ctypes.c_void_p) for name in ("ln1", "wqkv", "wo", "ln2", "wgu", "wd",
+                                                        "pqkv", "po", "pgu", "pd", "norm_w")],
+                ("eps", ctypes.c_float),
+                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("cap", ctypes.c_long),
+                *[(name, ctypes.c_void_p) for name in ("slot", "wpos", "prefix", "first", "count", "allowed")],
+                ("qmax", ctypes.c_int),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("scale", ctypes.c_float), ("threads", ctypes.c_int),
+                *[(name, ctypes.c_void_p) for name in ("qqkv", "sqkv", "qo", "so", "qgu", "sgu", "qd", "sd")]]
+
+
+ROWS_VALUES = len(RowsArgs._fields_) - 2  # what llama_rows takes after the library: every member but version, size
+
+
+def llama_rows(lib: ctypes.CDLL, *values) -> int:
+    """``mtpflow_llama_rows`` over ``values``: the struct's members after version and size, in their order (h,
+    normed, M, L, H, nh, nkv, d, I, ln1 ... sd; tensors' addresses, ctypes pointer arrays, None for NULL). Returns
+    the function's code: 0, -1 out of memory (``ROWS_BAD_ABI`` cannot happen for a build ``load`` accepted)."""
+    if len(values) != ROWS_VALUES:
+        raise TypeError(f"llama_rows takes {ROWS_VALUES} values, got {len(values)}")
+    args = RowsArgs(ROWS_ABI, ctypes.sizeof(RowsArgs),
+                    *[ctypes.addressof(v) if isinstance(v, ctypes.Array) else v for v in values])
+    return lib.mtpflow_llama_rows(ctypes.byref(args))
+
+
 def load(path: Path) -> ctypes.CDLL:
-    """Open a build of SOURCE and declare its functions' signatures."""
+    """Open a build of SOURCE and declare its functions' signatures. A build of another ``mtpflow_llama_rows``
+    ABI (version or struct size), or one without the functions, is refused with a one-line UserError; one that
+    is not a shared library raises OSError."""
     lib = ctypes.CDLL(str(path))
+    mine = f"v{ROWS_ABI} ({ctypes.sizeof(RowsArgs)} bytes)"
+    try:
+        lib.mtpflow_rows_abi.restype = lib.mtpflow_rows_args_size.restype = ctypes.c_int
+        lib.mtpflow_rows_abi.argtypes = lib.mtpflow_rows_args_size.argtypes = []
+    except AttributeError:
+        raise UserError(f"native kernel {path} has no ABI version (built before the versioned entry point), "
+                        f"this mtpflow expects {mine}: delete it to rebuild") from None
+    abi, size = lib.mtpflow_rows_abi(), lib.mtpflow_rows_args_size()
+    if (abi, size) != (ROWS_ABI, ctypes.sizeof(RowsArgs)):
+        raise UserError(f"native kernel {path} has ABI v{abi} ({size} bytes), this mtpflow expects {mine}: "
+                        "delete it to rebuild")
+    try:
+        _declare(lib)
+    except AttributeError as missing:
+        raise UserError(f"native kernel {path} lacks a function ({missing}), this mtpflow expects {mine}: "
+                        "delete it to rebuild") from None
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     for fn in (lib.mtpflow_small_gemm, lib.mtpflow_panel_gemm):
         fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
         fn.restype = None
@@ -99,11 +202,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.mtpflow_small_gemm_q8.restype = None
     lib.mtpflow_vector_width.restype = ctypes.c_int
     lib.mtpflow_panel_min_rows.restype = ctypes.c_int
-    ptr, i32 = ctypes.c_void_p, ctypes.c_int
-    lib.mtpflow_llama_rows.argtypes = ([ptr, ptr] + [i32] * 7 + [ptr] * 11 + [ctypes.c_float, ptr, ptr, ctypes.c_long]
-                                       + [ptr] * 6 + [i32, ptr, ptr, ctypes.c_float, i32] + [ptr] * 8)
-    lib.mtpflow_llama_rows.restype = i32
-    return lib
+    lib.mtpflow_llama_rows.argtypes = [ctypes.POINTER(RowsArgs)]
+    lib.mtpflow_llama_rows.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -116,12 +216,6 @@ def panel_min_rows(lib: ctypes.CDLL | None = None) -> int:
     (``PANEL_MIN_ROWS`` in small_gemm.c: 1 with AVX-512, 3 with 8-float vectors)."""
     lib = library() if lib is None else lib
     return lib.mtpflow_panel_min_rows() if lib is not None else 0
-
-
-def rows_enabled() -> bool:
-    """Whether verify forwards may go through ``mtpflow_llama_rows`` (``mtpflow.forward.native_rows``): the
-    kernels build here and ``MTPFLOW_NATIVE_ROW`` is not ``0``; read per forward, so a process can switch."""
-    return os.environ.get("MTPFLOW_NATIVE_ROW", "1") != "0" and available()
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:

@@ -6,9 +6,9 @@ life. The engine decodes in its own thread while the caller (a script's main thr
 ran ``model.generate``, ...) waits; the caller's idle workers still count as threads libgomp manages, and
 once they outnumber the CPUs libgomp throttles how long every worker spins before it sleeps (``do_spin``
 takes its throttled spin count), so the decoding thread's workers fall asleep between the parallel regions of a
-forward (211 native linear calls for the default model, plus torch's own) and are woken each time. On the
-2-core AMD host 60 one-row native linears took 13.2 ms in a second thread against 12.1 ms in the main thread,
-and 12.2 ms once the main thread had released its workers (``python scripts/probe_openmp.py 8``, medians).
+forward (211 native linear calls for the default model, plus torch's own) and are woken each time: native
+linears in a second thread run slower than in the main thread, and as fast once the main thread has released
+its workers (``python scripts/probe_openmp.py 8``; measured: docs/bench/code-figures.md#openmp-module-docstring).
 
 How: ``release_workers()`` calls ``omp_pause_resource_all(omp_pause_soft)`` (OpenMP 5.0), which ends the
 calling thread's pool; libgomp starts a new one (new worker threads) at the thread's next parallel region.

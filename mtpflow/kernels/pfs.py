@@ -33,7 +33,7 @@ def keep_by_threshold_and_budget(pfs: torch.Tensor, threshold: float, budget: in
     rank = torch.empty(n, dtype=torch.long, device=pfs.device)
     rank[order] = torch.arange(n, device=pfs.device)
     limit = n if budget is None else int(budget)
-    return (pfs >= torch.tensor(threshold, dtype=torch.float32)) & (rank < limit)
+    return (pfs >= torch.tensor(threshold, dtype=torch.float32, device=pfs.device)) & (rank < limit)
 
 
 def pfs_prune_reference(node_probs: torch.Tensor, parents: torch.Tensor, threshold: float,
@@ -92,4 +92,4 @@ def pfs_tree(draft_logits: torch.Tensor, parents: torch.Tensor, choices: torch.T
         return pfs_tree_reference(draft_logits, parents, choices, threshold, budget)
     from mtpflow.kernels.pfs_triton import pfs_tree_triton
 
-    return pfs_tree_triton(draft_logits, parents, choices, threshold, budget)
+    return pfs_tree_triton(draft_logits, parents, choices, threshold, budget, template_depths(parents))

@@ -86,10 +86,9 @@ def pfs_prune_triton(node_probs, parents, threshold, budget):
     return _prune(node_probs, parents, threshold, budget)
 
 
-def pfs_tree_triton(draft_logits, parents, choices, threshold, budget):
-    """Same contract as ``pfs.pfs_tree_reference``."""
-    from mtpflow.kernels.pfs import template_depths
-
+def pfs_tree_triton(draft_logits, parents, choices, threshold, budget, depths):
+    """Same contract as ``pfs.pfs_tree_reference``; ``depths``: ``pfs.template_depths(parents)`` (passed in: the
+    kernel module imports nothing of the dispatcher above it)."""
     dev = draft_logits.device
     logits = draft_logits.float().contiguous()
     positions, vocab = logits.shape
@@ -98,7 +97,7 @@ def pfs_tree_triton(draft_logits, parents, choices, threshold, budget):
     tokens = torch.empty(positions, k, dtype=torch.long, device=dev)
     softmax_topk_kernel[(positions,)](logits, probs, tokens, vocab, logits.stride(0), K=k,
                                       BLOCK_V=min(1024, max(16, triton.next_power_of_2(vocab))))
-    rows = (template_depths(parents) - 1).to(dev)
+    rows = (depths - 1).to(dev)
     cols = choices.to(dev)
     pfs, keep = _prune(probs[rows, cols], parents, threshold, budget)
     return tokens[rows, cols], pfs, keep

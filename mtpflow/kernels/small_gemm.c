@@ -4,21 +4,23 @@
  * Reading the weights from memory is the whole cost, so the kernel reads each weight row once for all
  * input rows: blocks of 4 weight rows x up to 6 input rows keep 24 vector accumulators in registers while
  * the 4 weight rows stream past, and the next block's weight rows are prefetched while this one computes,
- * so memory and arithmetic overlap (mtpflow_small_gemm). From about 6 rows the arithmetic starts to show,
- * and mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 64 output features x K
- * (panel[k][0..63]), so each step of k loads 4 vectors of weights and broadcasts one input value per row
- * into 4 x 6 accumulators with no horizontal sums, while one sequential stream per panel is prefetched
+ * so memory and arithmetic overlap (mtpflow_small_gemm). As rows grow the arithmetic starts to show, and
+ * from PANEL_MIN_ROWS rows mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 64 output
+ * features x K (panel[k][0..63]), so each step of k loads 4 vectors of weights and broadcasts one input value
+ * per row into 4 x 6 accumulators with no horizontal sums, while one sequential stream per panel is prefetched
  * 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
  * runtime: torch has loaded libgomp.so.1 before this library is opened).
  *
  * The caller starts the panels at PANEL_MIN_ROWS rows (read by native_linear.panel_min_rows): 1 on AVX-512
  * builds, where the panels' sequential streams beat the row blocks at every row count; 3 on AVX2 builds, where
- * 1-2 rows instead read one weight row at a time (one sequential stream per thread); all measured below.
+ * 1-2 rows instead read one weight row at a time (one sequential stream per thread); the reasons are at the
+ * constants below (measured: docs/bench/code-figures.md#small_gemm-panel_min_rows).
  *
  * Portable C with GCC vector extensions: 16-float vectors where the compiler targets AVX-512, else 8-float
  * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
- * without AVX-512 compile to scalar code, 10-20x slower). The pure-torch reference is F.linear; mtpflow/kernels/native_linear.py compiles, loads and
- * tests this file. Summation order differs from MKL's (differences around 1e-6 relative).
+ * without AVX-512 compile to scalar code, many times slower; measured: docs/bench/code-figures.md#small_gemm-header).
+ * The pure-torch reference is F.linear; mtpflow/kernels/native_linear.py compiles, loads and tests this file.
+ * Summation order differs from MKL's (differences around 1e-6 relative).
  *
  * mtpflow_small_gemm_q8 is the row kernel over int8 weights with one float scale per output feature
  * (y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] (+ b[n])): a quarter of the bytes to read, each 16 (or 8)
@@ -30,21 +32,18 @@
 #define VW 16     /* floats per vector */
 #define MB_MAX 6  /* input rows per block: 4 x 6 accumulators + 4 weight vectors + 1 input vector <= 32 registers */
 #define PANEL_MB 6
-/* the panels from one row: on a 2-core Zen 4 (AVX-512) host the default model's 30 layers of products, each
- * layer's own weights streamed from memory, best of 15: 1 / 2 / 3 / 5 rows 14.9 / 14.8 / 14.3 / 19.0 ms through
- * panels against 18.7 / 20.3 / 20.5 / 23.5 through the 4 x 6 row blocks; whole verify forwards of one sequence,
- * both thresholds interleaved in one process, best of 10, 1 / 3 / 5 rows 13.9 / 16.4 / 18.9 ms against
- * 25.6 / 28.1 / 30.3 (a busier second run: 1 / 2 / 3 rows 23.1 / 22.3 / 23.3 against 30.2 / 30.5 / 32.5) */
+/* the panels from one row on AVX-512 builds: their sequential weight streams beat the 4 x 6 row blocks at every
+ * row count measured, in the products alone (each layer's weights streamed from memory) and in whole verify
+ * forwards (measured: docs/bench/code-figures.md#small_gemm-panel_min_rows) */
 #define PANEL_MIN_ROWS 1
 #else
 #define VW 8
 #define MB_MAX 2  /* 4 x 2 accumulators + 4 + 1 <= 16 registers */
-/* panel kernel: 3 rows x 4 vectors (12 accumulators; the panel's vectors partly as memory operands). Measured on
- * a 2-core AVX2 EPYC, the default model's 30 layers of products (best of 7, two runs): 3 / 5 / 9 / 16 rows
- * 14.2 / 18.1 / 25.3 / 39.3 ms against 16.9-19.5 / 20.3-22.7 / 27.5-29.4 / 38.5-40.2 with 2 rows per block */
+/* panel kernel: 3 rows x 4 vectors (12 accumulators; the panel's vectors partly as memory operands): faster than
+ * 2 rows per block from 3 to 9 rows and level at 16 (measured: docs/bench/code-figures.md#small_gemm-panel_mb) */
 #define PANEL_MB 3
-/* from 3 rows the panels beat the 4 x 2 blocks: whole verify steps of the default model with 3 / 4 / 5 rows took
- * 35.1 / 35.9 / 40.5 ms through panels against 39.1 / 40.1 / 44.5 (one process, interleaved) */
+/* from 3 rows the panels beat the 4 x 2 blocks in whole verify steps (below 3 rows the one-row kernel is faster;
+ * measured: docs/bench/code-figures.md#small_gemm-panel_min_rows) */
 #define PANEL_MIN_ROWS 3
 #endif
 #define NB 4      /* weight rows per block (row kernel), vectors per column group (panel kernel) */
@@ -71,7 +70,8 @@ int mtpflow_panel_min_rows(void) { return PANEL_MIN_ROWS; }
 typedef signed char qvec_u __attribute__((vector_size(VW), aligned(1), may_alias));
 
 /* widen VW int8 weights to floats: GCC 12 scalarizes __builtin_convertvector from char vectors (one
- * vcvtsi2ss per weight, 4x slower than the float kernel), so x86 takes the sign-extend + convert instructions */
+ * vcvtsi2ss per weight, slower than the float kernel; measured: docs/bench/code-figures.md#small_gemm-loadq),
+ * so x86 takes the sign-extend + convert instructions */
 #if defined(__AVX512F__)
 #include <immintrin.h>
 static inline vec loadq(const signed char *p) {
@@ -157,12 +157,11 @@ static inline __attribute__((always_inline)) void block(const float *x, const fl
 
 #if VW == 8
 /* ---- one weight row at a time for 1 or 2 (ONE_ROW_MAX) input rows (AVX2 builds): the weight is read as one
- * sequential stream per thread, which this host's prefetchers follow better than the 4 strided rows of a
- * block. Measured on a 2-core AVX2 EPYC (the default model's 30 layers of products, best of 7, two runs):
- * one row 9.8-13.5 ms against 16.4-16.8 with 4 x 2 blocks, two rows 10.7-12.3 against 17.2-17.9, the
- * 49152-row LM head 2.2-3.4 against 4.3-4.4; three rows 22 against 19 (more streams of input rows than the
- * loop hides), and from 3 rows the panel kernel is faster still (PANEL_MIN_ROWS). AVX-512 builds
- * take the panels from one row (PANEL_MIN_ROWS above). */
+ * sequential stream per thread, which the hardware prefetchers follow better than the 4 strided rows of a
+ * block: faster than the 4 x 2 blocks for one and two rows, the LM head included; slower for three rows (more
+ * streams of input rows than the loop hides), and from 3 rows the panel kernel is faster still (PANEL_MIN_ROWS;
+ * measured: docs/bench/code-figures.md#small_gemm-one_row_max). AVX-512 builds take the panels from one row
+ * (PANEL_MIN_ROWS above). */
 #define ONE_ROW_MAX 2
 #if defined(__FMA__) && defined(__AVX2__)  /* immintrin.h is included above for AVX2 */
 static inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a); }
@@ -170,8 +169,8 @@ static inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m2
 static inline vec fmadd(vec a, vec b, vec c) { return a + b * c; }
 #endif
 /* two accumulators per input row (even and odd vectors of k): with one chain of fused multiply-adds per row each
- * waits on the previous one's latency every 8 floats (a plain verify step took 18.2 ms that way, 14.2-14.7 with
- * two chains) */
+ * waits on the previous one's latency every 8 floats, and a plain verify step was slower that way (measured:
+ * docs/bench/code-figures.md#small_gemm-one_row-two-chains) */
 static inline __attribute__((always_inline)) void one_row(const float *x, const float *w, const float *b, float *y,
                                                           int N, int K, int n, const int mb) {
     const int k2 = K - K % (2 * VW), kv = K - K % VW;
@@ -293,16 +292,18 @@ void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, flo
 
 /* ---- verify forward rows through a whole Llama-family decoder stack (mtpflow_llama_rows) ----------------
  *
- * A verify forward spent about a third of its time between the linears: per layer some fifty small torch ops
- * (RMSNorm, rotary, KV writes, attention, SwiGLU, residuals), each a few microseconds of dispatch for a few
- * hundred floats of work. This runs the same arithmetic, in HF's LlamaDecoderLayer order, in one call for all
- * layers: RMSNorm (x * rsqrt(mean(x^2) + eps), then * weight), the fused q/k/v product, rotary
- * (q * cos + rotate_half(q) * sin), each row's new key and value written into the KV pool, grouped-query
- * attention (softmax of scaled dot products), the output projection plus residual, RMSNorm, the fused gate/up
- * product, silu(gate) * up, the down projection plus residual; then the final norm. The products are this
- * file's kernels, as the native linear calls them, so they give its numbers; the rest differs from torch's
- * kernels in summation order and exp/rsqrt rounding (around 1e-7 relative). mtpflow/forward.py (native_rows)
- * calls it and checks when it may.
+ * Between the linears a verify forward ran some fifty small torch ops per layer (RMSNorm, rotary, KV writes,
+ * attention, SwiGLU, residuals), each paying torch's per-op dispatch for a few hundred floats of work: a large
+ * share of the forward (measured: docs/bench/code-figures.md#small_gemm-llama_rows). This runs the same
+ * arithmetic, in HF's LlamaDecoderLayer order, in one call for all layers: RMSNorm (x * rsqrt(mean(x^2) + eps),
+ * then * weight), the fused q/k/v product, rotary (q * cos + rotate_half(q) * sin), each row's new key and value
+ * written into the KV pool, grouped-query attention (softmax of scaled dot products), the output projection plus
+ * residual, RMSNorm, the fused gate/up product, silu(gate) * up, the down projection plus residual; then the final
+ * norm. The products are this file's kernels, as the native linear calls them, so they give its numbers; the
+ * rest differs from torch's kernels in summation order and exp/rsqrt rounding (around 1e-7 relative).
+ * mtpflow/forward.py (native_rows) calls it (through native_linear.llama_rows, which fills struct
+ * mtpflow_rows_args below) and checks when it may; native_reference.llama_rows_reference is its pure-torch
+ * reference. The names below are the struct's members.
  *
  * M rows of several sequences: row r belongs to the sequence in pool slot slot[r], writes its key and value at
  * wpos[r] of that slot's row, and attends to the slot's first prefix[r] entries plus those of its own
@@ -452,19 +453,68 @@ static void product(const float *x, const float *w, const float *panel, const si
     else mtpflow_small_gemm(x, w, NULL, y, M, N, K, threads);
 }
 
-int mtpflow_llama_rows(float *h, float *normed, int M, int L, int H, int nh, int nkv, int d, int I,
-                       const float *const *ln1, const float *const *wqkv, const float *const *wo,
-                       const float *const *ln2, const float *const *wgu, const float *const *wd,
-                       const float *const *pqkv, const float *const *po, const float *const *pgu,
-                       const float *const *pd, const float *norm_w, float eps, float *const *kc, float *const *vc,
-                       long cap, const int *slot, const int *wpos, const int *prefix, const int *first,
-                       const int *count, const unsigned char *allowed, int qmax, const float *cos,
-                       const float *sin, float scale, int threads,
-                       /* int8 copies of the four products (weights, per-output scales; NULL: the float weights):
-                        * the same forward with a quarter of the weight bytes, for drafting */
-                       const signed char *const *qqkv, const float *const *sqkv, const signed char *const *qo,
-                       const float *const *so, const signed char *const *qgu, const float *const *sgu,
-                       const signed char *const *qd, const float *const *sd) {
+/* The arguments of mtpflow_llama_rows, one struct so that a caller built against another layout is refused rather
+ * than read wrongly: the caller sets version to MTPFLOW_ROWS_ABI and size to sizeof the struct as it built it, and
+ * the function checks both before it reads anything else. Any change to the members (their order, types or
+ * meaning) raises MTPFLOW_ROWS_ABI; mtpflow/kernels/native_linear.py mirrors the struct once (RowsArgs) and
+ * refuses to load a build whose mtpflow_rows_abi() or mtpflow_rows_args_size() differ from the mirror's. */
+#define MTPFLOW_ROWS_ABI 1
+#define MTPFLOW_ROWS_BAD_ABI (-2)  /* what mtpflow_llama_rows returns for a struct of another version or size */
+
+struct mtpflow_rows_args {
+    int version;  /* MTPFLOW_ROWS_ABI */
+    int size;     /* sizeof(struct mtpflow_rows_args) as the caller built it */
+    float *h, *normed;
+    int M, L, H, nh, nkv, d, I;
+    const float *const *ln1, *const *wqkv, *const *wo, *const *ln2, *const *wgu, *const *wd;
+    const float *const *pqkv, *const *po, *const *pgu, *const *pd;  /* NULL: the row kernel */
+    const float *norm_w;
+    float eps;
+    float *const *kc, *const *vc;
+    long cap;
+    /* per row; first (the row's sequence's first row in this call) is not read: the sequence's new entries are
+     * found by position in the pool, at prefix[r] + 0, 1, ... */
+    const int *slot, *wpos, *prefix, *first, *count;
+    const unsigned char *allowed;  /* [M][qmax] */
+    int qmax;
+    const float *cos, *sin;
+    float scale;
+    int threads;
+    /* int8 copies of the four products (weights, per-output scales; NULL: the float weights): the same forward
+     * with a quarter of the weight bytes, for drafting */
+    const signed char *const *qqkv;
+    const float *const *sqkv;
+    const signed char *const *qo;
+    const float *const *so;
+    const signed char *const *qgu;
+    const float *const *sgu;
+    const signed char *const *qd;
+    const float *const *sd;
+};
+
+int mtpflow_rows_abi(void) { return MTPFLOW_ROWS_ABI; }
+
+int mtpflow_rows_args_size(void) { return (int)sizeof(struct mtpflow_rows_args); }
+
+/* 0, -1 when out of memory, MTPFLOW_ROWS_BAD_ABI (nothing read past version and size, nothing written) when the
+ * struct is of another version or size */
+int mtpflow_llama_rows(const struct mtpflow_rows_args *a) {
+    if (a->version != MTPFLOW_ROWS_ABI || a->size != (int)sizeof(struct mtpflow_rows_args)) return MTPFLOW_ROWS_BAD_ABI;
+    float *const h = a->h, *const normed = a->normed;
+    const int M = a->M, L = a->L, H = a->H, nh = a->nh, nkv = a->nkv, d = a->d, I = a->I;
+    const float *const *ln1 = a->ln1, *const *wqkv = a->wqkv, *const *wo = a->wo, *const *ln2 = a->ln2,
+                *const *wgu = a->wgu, *const *wd = a->wd;
+    const float *const *pqkv = a->pqkv, *const *po = a->po, *const *pgu = a->pgu, *const *pd = a->pd;
+    const float *norm_w = a->norm_w;
+    const float eps = a->eps, scale = a->scale;
+    float *const *kc = a->kc, *const *vc = a->vc;
+    const long cap = a->cap;
+    const int *slot = a->slot, *wpos = a->wpos, *prefix = a->prefix, *count = a->count;
+    const unsigned char *allowed = a->allowed;
+    const int qmax = a->qmax, threads = a->threads;
+    const float *cos = a->cos, *sin = a->sin;
+    const signed char *const *qqkv = a->qqkv, *const *qo = a->qo, *const *qgu = a->qgu, *const *qd = a->qd;
+    const float *const *sqkv = a->sqkv, *const *so = a->so, *const *sgu = a->sgu, *const *sd = a->sd;
     const int nq = nh * d, nk = nkv * d, group = nh / nkv, nqkv = nq + 2 * nk;
     const size_t slot_stride = (size_t)nkv * cap * d;
     int longest = 1;

@@ -36,8 +36,10 @@ def speculative_accept_reference(target_probs: torch.Tensor, draft_probs: torch.
     target_probs: [num_nodes + 1, vocab] p after the root and after each node; draft_probs: [num_nodes, vocab]
     the q each draft token was drawn from; tokens: [num_nodes]; uniforms: [num_nodes + 1].
     """
-    p, q = target_probs.float(), draft_probs.float()
-    u = uniforms.float()
+    p = target_probs.float()
+    q = draft_probs.float().to(p.device)  # everything where the target's probabilities are (the gate's
+    u = uniforms.float().to(p.device)  # uniforms and the draft tokens usually come from the CPU)
+    tokens = tokens.to(p.device)
     n = int(tokens.numel())
     rows = torch.arange(n, device=p.device)
     accept = u[:n] * q[rows, tokens] < p[rows, tokens]
@@ -59,4 +61,4 @@ def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor, to
         return speculative_accept_reference(target_probs, draft_probs, tokens, uniforms)
     from mtpflow.kernels.speculative_triton import speculative_accept_triton
 
-    return speculative_accept_triton(target_probs, draft_probs, tokens, uniforms)
+    return speculative_accept_triton(target_probs, draft_probs, tokens, uniforms, WEIGHT_SCALE)

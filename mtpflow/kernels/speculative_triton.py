@@ -6,7 +6,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mtpflow.kernels.speculative import WEIGHT_SCALE
 
 
 @triton.jit
@@ -57,8 +56,9 @@ def speculative_accept_kernel(p_ptr, q_ptr, tokens_ptr, u_ptr, out_ptr, num_node
 
 
 def speculative_accept_triton(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: torch.Tensor,
-                              uniforms: torch.Tensor) -> tuple[int, int, bool]:
-    """Same contract as ``speculative.speculative_accept_reference``."""
+                              uniforms: torch.Tensor, weight_scale: float) -> tuple[int, int, bool]:
+    """Same contract as ``speculative.speculative_accept_reference``; ``weight_scale``: its ``WEIGHT_SCALE``
+    (passed in: the kernel module imports nothing of the dispatcher above it)."""
     dev = target_probs.device
     p = target_probs.float().contiguous()
     n = int(tokens.numel())
@@ -66,7 +66,7 @@ def speculative_accept_triton(target_probs: torch.Tensor, draft_probs: torch.Ten
     q = draft_probs.float().to(dev).contiguous() if n else p  # never read when there are no nodes
     out = torch.zeros(2, dtype=torch.long, device=dev)
     speculative_accept_kernel[(1,)](
-        p, q, tokens.to(dev).contiguous(), uniforms.float().to(dev).contiguous(), out, n, vocab, WEIGHT_SCALE,
+        p, q, tokens.to(dev).contiguous(), uniforms.float().to(dev).contiguous(), out, n, vocab, weight_scale,
         BLOCK_N=max(16, triton.next_power_of_2(max(n, 1))), BLOCK_V=min(1024, max(16, triton.next_power_of_2(vocab))),
     )
     j, token = out.tolist()

@@ -23,10 +23,6 @@ from mtpflow.playground.views import SideView
 DECODE_CONCURRENCY_ID = "decode"  # every event that decodes shares these slots; the engine batches their requests
 
 
-def status_html(message: str, error: bool = False) -> str:
-    cls = "mtp-status-error" if error else "mtp-status"
-    return f'<div class="{cls}" data-error="{str(error).lower()}">{html.escape(message)}</div>'
-
 
 def _side_summary(side: SideView | None) -> dict | None:
     if side is None:
@@ -61,7 +57,7 @@ class ComparisonHandler:
         summary = {"a": _side_summary(a), "b": _side_summary(b), "speedup": _speedup(a, b),
                    "status": status[1], "error": status[0]}
         updates = [
-            status_html(status[1], error=status[0]),
+            render.status_html(status[1], error=status[0]),
             render.pane_html(a, show_rejected, "a"), render.pane_html(b, show_rejected, "b"),
             render.stats_markdown(a), render.stats_markdown(b), render.speedup_markdown(a, b),
         ]
@@ -152,7 +148,7 @@ def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
             with gr.Row():
                 run = gr.Button("Compare", variant="primary", elem_id="compare-button")
                 stop = gr.Button("Stop", variant="stop")
-            status = gr.HTML(status_html("ready"), elem_id="status")
+            status = gr.HTML(render.status_html("ready"), elem_id="status")
             gr.HTML(render.legend_html())
             with gr.Row(equal_height=False):
                 with gr.Column():

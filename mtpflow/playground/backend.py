@@ -182,7 +182,8 @@ class PlaygroundBackend:
         return None
 
     def _compose(self, overrides: tuple[str, ...]):
-        """Hydra's compose costs ~0.1-0.3 s; a page asks for the same few configs again and again."""
+        """Hydra's compose is slow next to a lookup, and a page asks for the same few configs again and again
+        (measured: docs/bench/code-figures.md#playground-backend-_compose)."""
         with self._cache_lock:
             cfg = self._configs.get(overrides)
         if cfg is None:

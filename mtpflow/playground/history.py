@@ -90,7 +90,6 @@ def _run_id(value) -> int | None:
 def build_tab(store, tokenizer=None, model_id: str | None = None):
     """Add the History tab to the Blocks being built (``store`` None: tracing is off); returns the
     (refresh function, runs table) pair for the page's load event, or None."""
-    from mtpflow.playground.app import status_html
 
     with gr.Tab("History"):
         if store is None:
@@ -131,9 +130,9 @@ def build_tab(store, tokenizer=None, model_id: str | None = None):
                 sides = [None if i is None else side_from_trace(store, i, tokenizer, model_id) for i in ids]
             except (ValueError, KeyError) as exc:
                 msg = exc.args[0] if exc.args else str(exc)
-                return [status_html(str(msg), error=True), "", "", "", "", "", None]
+                return [render.status_html(str(msg), error=True), "", "", "", "", "", None]
             a_side, b_side = sides
-            return [status_html("opened " + ", ".join(f"run {i}" for i in ids if i is not None)),
+            return [render.status_html("opened " + ", ".join(f"run {i}" for i in ids if i is not None)),
                     render.pane_html(a_side, True, "history-a") if a_side else "",
                     render.pane_html(b_side, True, "history-b") if b_side else "",
                     render.stats_markdown(a_side), render.stats_markdown(b_side),

@@ -185,3 +185,8 @@ def comparison_figure(a: SideView | None, b: SideView | None):
     axes[2].set_ylim(-0.05, 1.05)
     fig.tight_layout()
     return fig
+
+
+def status_html(message: str, error: bool = False) -> str:
+    cls = "mtp-status-error" if error else "mtp-status"
+    return f'<div class="{cls}" data-error="{str(error).lower()}">{html.escape(message)}</div>'

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 
-API_KEY_ENV = "MTPFLOW_API_KEY"
+from mtpflow.serve.build import API_KEY_ENV, build_app
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,44 +52,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if ray_only and not args.ray:
         p.error(f"--{ray_only[0].replace('_', '-')} needs --ray")
     return args
-
-
-def serving_overrides(overrides: list[str]) -> list[str]:
-    """The server records with ``trace=serve`` (sampled token events, capped database) unless told otherwise."""
-    chooses_trace = any(o.split("=", 1)[0].lstrip("+~") == "trace" for o in overrides)
-    return list(overrides) if chooses_trace else ["trace=serve", *overrides]
-
-
-def serving_run_plugins(cfg) -> tuple:
-    """``default_run_plugins`` with the trace recorder rebuilt from the whole ``trace`` node (sampling and
-    retention) on the store it opened."""
-    from mtpflow.runplugins import default_run_plugins
-    from mtpflow.traces.recorder import recorder_from_config
-
-    out = []
-    for factory in default_run_plugins(cfg):
-        if hasattr(factory, "store") and getattr(factory, "retention", None) is None:  # built without them
-            factory = recorder_from_config(cfg.trace, store=factory.store)
-        out.append(factory)
-    return tuple(out)
-
-
-def build_app(args: argparse.Namespace):
-    """Compose the config, load the engine, and return (app, cfg)."""
-    from mtpflow.config import compose, validate
-    from mtpflow.engine import Engine
-    from mtpflow.serve.app import create_app
-
-    cfg = compose(serving_overrides(args.overrides))
-    validate(cfg)
-    plugins = serving_run_plugins(cfg)
-    recorder = next((f for f in plugins if hasattr(f, "store")), None)
-    engine = Engine(cfg, run_plugins=plugins)
-    name = args.served_model_name or str(cfg.model.name).rstrip("/\\")
-    app = create_app(engine, served_model=name, default_strategy=str(cfg.strategy.get("name", "?")),
-                     api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-                     store=getattr(recorder, "store", None), retention=getattr(recorder, "retention", None))
-    return app, cfg
 
 
 def _server_class():

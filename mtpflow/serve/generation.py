@@ -35,7 +35,7 @@ def failure(exc: BaseException) -> ApiError:
         return ApiError(503, message, type="server_error", code="shutting_down", headers={"Retry-After": "5"})
     if isinstance(exc, UserError) and not message.startswith("decoding failed"):
         return ApiError(400, message)
-    log.error("decode failed", exc_info=(type(exc), exc, exc.__traceback__))
+    log.error("decode failed: %s", message)  # the engine logged the traceback (logger "mtpflow") already
     return ApiError(500, f"the decode failed on the server: {message}", type="server_error")
 
 

@@ -272,7 +272,7 @@ class EngineReplica:
         import torch
 
         from mtpflow.config import compose
-        from mtpflow.serve.__main__ import build_app, serving_overrides
+        from mtpflow.serve.build import build_app, serving_overrides
         from mtpflow.traces.store import default_db_path
 
         torch.set_num_threads(max(1, int(settings.threads)))
@@ -335,7 +335,7 @@ def application(scaling: Scaling, settings: ReplicaSettings, *, max_batch_size: 
 
 def _composed(overrides: list[str]):
     from mtpflow.config import compose, validate
-    from mtpflow.serve.__main__ import serving_overrides
+    from mtpflow.serve.build import serving_overrides
 
     cfg = compose(serving_overrides(overrides))
     validate(cfg)  # a bad override is one line here, before Ray starts

@@ -104,10 +104,12 @@ class CompositeConfidenceGate:
         parents = draft.parents
         rows = torch.where(parents < 0, 0, parents + 1)
         temperature = state.sampling.temperature or 1.0
-        probs = (verification.logits.float() / temperature).softmax(-1)
-        local = probs[rows, draft.tokens]
+        probs = (verification.logits.float() / temperature).softmax(-1)  # on the logits' device
+        on = probs.device
+        local = probs[rows.to(on), draft.tokens.to(on)]
         if self.local_confidence == "relative":
-            local = local / probs[rows].max(-1).values
+            local = local / probs[rows.to(on)].max(-1).values
+        local = local.cpu()  # scores live on the CPU with the draft: the n-gram part is built there
         prev = torch.where(parents < 0, torch.tensor(state.root_token), draft.tokens[parents.clamp(min=0)])
         if self.table is not None and self.global_weight > 0:
             glob = torch.tensor([self.table.score(a, b) for a, b in zip(prev.tolist(), draft.tokens.tolist())])

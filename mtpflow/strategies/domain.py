@@ -5,8 +5,9 @@ as the start of an adaptive K). The domain, its confidence and the K go into the
 Why this classifier: a logistic regression over the mean of all-MiniLM-L6-v2's *input token embeddings*
 (PCA to 128 dimensions, int8), trained by ``python -m mtpflow.train_domain``. Measured on the held-out split
 (docs/domain_classifier.md) on two splits of the data: TF-IDF n-grams 0.83 / 0.91 (with a few hundred
-examples per domain a held-out "Tylenol" is just an unknown word), these static embeddings 0.94 / 0.92 in
-well under a millisecond, the full MiniLM forward ~0.96 (first split) but ~25 ms of CPU per prompt. The artifact
+examples per domain a held-out "Tylenol" is just an unknown word), these static embeddings 0.94 / 0.92 for an
+embedding lookup and a mean, the full MiniLM forward ~0.96 (first split) but a transformer forward of CPU per
+prompt (timings: docs/bench/code-figures.md#domain-module-docstring). The artifact
 (``mtpflow/data/domain_classifier.npz``) is plain arrays plus the WordPiece tokenizer's JSON; inference is
 numpy and ``tokenizers`` only, so it does not depend on the scikit-learn or transformers version.
 """

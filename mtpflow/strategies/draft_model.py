@@ -4,10 +4,11 @@ LM head (self-speculative, LayerSkip style), which needs no second model on disk
 either: the target's cache already holds those layers' keys and values for every committed token, so the
 self-draft writes its few draft entries there and crops them before the verify forward (no catch-up
 forward over the tokens committed since the last draft). With ``quantize: int8`` (and neither) the draft model is
-the whole target with int8 weights: ``mtpflow.forward.draft_rows`` runs every layer's products over an int8 copy of
-its weights (a quarter of the bytes, so a draft token costs about a third of a plain step on a CPU, where a step
-is bound by reading the weights) on the target's own KV cache, whose committed entries the float32 verify forwards
-wrote; it agrees with the float32 model on nearly every token, so long chains are accepted."""
+the whole target with int8 weights: the backend's self-draft (``state.extras["self_draft"]``; the ``native_cpu``
+backend's runs every layer's products over an int8 copy of its weights, a quarter of the bytes a float32 step
+reads, on the target's own KV cache, whose committed entries the float32 verify forwards wrote); it agrees with
+the float32 model on nearly every token, so long chains are accepted. What a draft token costs against a step is
+measured as it runs (``draft_seconds``); the figures of one host are in docs/strategies.md."""
 from __future__ import annotations
 
 import collections
@@ -20,7 +21,7 @@ from transformers import DynamicCache
 
 from mtpflow.errors import ConfigError, UserError, check_range
 from mtpflow.hookspecs import hookimpl
-from mtpflow.sampling import target_probs
+from mtpflow.sampling import sample, target_probs
 from mtpflow.cost_model import (
     CostCurve, DecayedAcceptance, ProbeSchedule, check_costs, expected_tokens, load_verify_costs,
 )
@@ -89,7 +90,7 @@ class DraftModelProposer:
     @hookimpl
     def on_run_start(self, context):
         if self.quantize:
-            self.draft = None  # the target's own layers through their int8 copy (mtpflow.forward.draft_rows)
+            self.draft = None  # the target's own layers through their int8 copy (the backend's self-draft)
         elif self.model_name:
             from mtpflow.model import load_model
 
@@ -156,9 +157,9 @@ class DraftModelProposer:
             self.skipped += 1
             return Draft.empty("draft_model")
         if self.quantize:
-            return self._int8_draft(state, k, state.extras["target"])
+            return self._int8_draft(state, k)
         if self.model_name is None:
-            return self._shared_draft(state, k, state.extras["target"])  # the loop provides its Target
+            return self._shared_draft(state, k, state.extras["slot_cache"]())  # the loop's view of its KV slot
         tokens = state.tokens.tolist()
         # The draft cache holds committed tokens only; catch up on everything committed since last time.
         logits = self._forward(tokens[self.cached :], self.cached)
@@ -181,12 +182,12 @@ class DraftModelProposer:
         return _chain(drafted, dists)
 
     @torch.inference_mode()
-    def _shared_draft(self, state: DecodeState, k: int, target) -> Draft:
+    def _shared_draft(self, state: DecodeState, k: int, slot) -> Draft:
         """Draft ``k`` tokens with the target's first layers on the target's own cache (which holds every
-        committed token but the root), then crop those layers back so the cache is as the verify expects."""
-        cache, start = target.cache, target.cache_len
-        dev = target.device
-        position = state.next_position - target.position_shift  # the root's position as the model sees it
+        committed token but the root), then crop those layers back so the cache is as the verify expects.
+        ``slot``: (the slot's HF ``Cache`` view, its length, the root's position as the model sees it)."""
+        cache, start, position = slot
+        dev = next(self.draft.parameters()).device
         token, drafted, dists = state.root_token, [], []
         try:
             for i in range(k):
@@ -204,24 +205,21 @@ class DraftModelProposer:
                     layer.crop(-extra)
         return _chain(drafted, dists)
 
-    def _int8_draft(self, state: DecodeState, k: int, target) -> Draft:
+    def _int8_draft(self, state: DecodeState, k: int) -> Draft:
         """``k`` tokens from the target's int8 copy over its own cache (greedy: under sampling the chain is a
         deterministic draft, which the speculative-sampling gate accepts in distribution)."""
-        from mtpflow import forward
-
         t0 = time.perf_counter()
-        drafted = forward.draft_rows(target.model, target.pool, target.kv.slot, target.cache_len, state.root_token,
-                                     state.next_position - target.position_shift, k)
+        drafted = state.extras["self_draft"](k)
         if drafted is None:
-            raise UserError("strategy.propose.quantize=int8 needs mtpflow's native CPU forward: a Llama-family "
-                            "float32 model on a CPU with the native kernels built (model.cpu_linear=auto)")
+            raise UserError("strategy.propose.quantize=int8 needs the native_cpu backend's self-draft: a "
+                            "Llama-family float32 model on a CPU with the native kernels built (model.backend=auto)")
         self._time_draft((time.perf_counter() - t0) / k)
         return _chain(drafted, [])
 
     def _time_draft(self, seconds: float) -> None:
         # the fastest of the last 8: load only ever adds time, and a process's first draft forward pays one-time
-        # costs (164 ms against 13 ms after it, for the default model's 8-layer self-draft), which a decayed
-        # mean carried through a whole run of rare probes
+        # costs, many times a later one's (measured: docs/bench/code-figures.md#draft_model-_time_draft), which a
+        # decayed mean carried through a whole run of rare probes
         self._draft_times.append(seconds)
         self.draft_seconds = min(self._draft_times)
 
@@ -233,7 +231,7 @@ def _pick(logits: torch.Tensor, state: DecodeState, dists: list[torch.Tensor]) -
         return int(logits.argmax())
     q = target_probs(logits, state.sampling)
     dists.append(q)
-    return int(torch.multinomial(q, 1, generator=state.extras.get("rng")))
+    return sample(q, state.extras.get("rng"))
 
 
 def _chain(drafted: list[int], dists: list[torch.Tensor]) -> Draft:

@@ -39,19 +39,28 @@ class SpeculativeSamplingGate:
     @hookimpl
     def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
         rng = state.extras.get("rng")
-        probs = target_probs(verification.logits, state.sampling)  # [1 + num_nodes, vocab]
+        probs = target_probs(verification.logits, state.sampling)  # [1 + num_nodes, vocab], the logits' device
+        rows: dict[int, torch.Tensor] = {}
+
+        def row_probs(i: int) -> torch.Tensor:
+            """Row ``i`` of ``probs`` on the CPU, where the run's generator draws: the loop below reads single
+            entries, which on a GPU would each be a host sync; only the rows the walk visits are copied."""
+            if i not in rows:
+                rows[i] = probs[i].cpu()
+            return rows[i]
+
         toks = draft.tokens.tolist()
         root, kids = children_lists(draft.parents.tolist())
         path: list[int] = []
         row, options = 0, root
         while options:
-            p = probs[row].clone()
+            p = row_probs(row).clone()
             chosen = None
             for c in options:
                 x = toks[c]
                 u = float(torch.rand((), generator=rng))
                 if draft.dists is not None and len(options) == 1:
-                    q = draft.dists[c].float()
+                    q = draft.dists[c].float().to(p.device)  # a drafter's distribution may live on the GPU
                     if u < min(1.0, float(p[x]) / max(float(q[x]), 1e-20)):
                         chosen = c
                         break
@@ -68,10 +77,11 @@ class SpeculativeSamplingGate:
                     p = p / total
             if chosen is None:
                 return Decision(torch.tensor(path, dtype=torch.long), sample(p, rng), RECOVERED,
-                                gate_scores=probs[0].new_tensor([]))
+                                gate_scores=torch.zeros(0))
             path.append(chosen)
             row, options = chosen + 1, kids[chosen]
-        return Decision(torch.tensor(path, dtype=torch.long), sample(probs[row], rng), BONUS if path else RECOVERED)
+        return Decision(torch.tensor(path, dtype=torch.long), sample(row_probs(row), rng),
+                        BONUS if path else RECOVERED)
 
 
 class TypicalGate:
@@ -91,7 +101,11 @@ class TypicalGate:
         probs = (verification.logits.float() / temperature).softmax(-1)
         entropy = -(probs * probs.clamp(min=1e-20).log()).sum(-1)  # [1 + num_nodes]
         threshold = torch.clamp(self.delta * torch.exp(-entropy), max=self.epsilon)
-        toks = draft.tokens.tolist()
+        # each node's probability under its parent's row, gathered where the logits live and read on the CPU
+        # in one copy (the walk below reads single entries: on a GPU each would be a host sync)
+        parent_rows = torch.where(draft.parents < 0, 0, draft.parents + 1)
+        node_probs = probs[parent_rows.to(probs.device), draft.tokens.to(probs.device)].cpu()  # [num_nodes]
+        threshold, entropy = threshold.cpu(), entropy.cpu()
         root, kids = children_lists(draft.parents.tolist())
         scores = torch.zeros(draft.num_nodes)
         path: list[int] = []
@@ -99,7 +113,7 @@ class TypicalGate:
         while options:
             best = None
             for c in options:
-                scores[c] = probs[row, toks[c]]
+                scores[c] = node_probs[c]
                 if scores[c] > threshold[row] and (best is None or scores[c] > scores[best]):
                     best = c
             if best is None:

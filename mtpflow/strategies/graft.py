@@ -58,8 +58,10 @@ def graft_tree(draft: Draft, tokens: list[int], parents: list[int], pfs: list[fl
         where.append(node)
     dists = draft.dists
     if dists is not None and len(out_tokens) > n:
-        onehot = torch.zeros(len(out_tokens) - n, dists.shape[-1], dtype=dists.dtype)
-        onehot[torch.arange(len(out_tokens) - n), torch.tensor(out_tokens[n:])] = 1.0
+        # on the host draft's distributions' device (a drafter may keep them where its logits are)
+        onehot = torch.zeros(len(out_tokens) - n, dists.shape[-1], dtype=dists.dtype, device=dists.device)
+        onehot[torch.arange(len(out_tokens) - n, device=dists.device),
+               torch.tensor(out_tokens[n:], device=dists.device)] = 1.0
         dists = torch.cat([dists, onehot])
     return Draft(torch.tensor(out_tokens, dtype=torch.long), torch.tensor(out_parents, dtype=torch.long),
                  probs=torch.tensor(probs, dtype=torch.float32), dists=dists, source=draft.source if n else mark,

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpflow.errors import UserError
-from mtpflow.kernels import native_linear
+from mtpflow.backends import row_linear
 
 CONFIG_NAME = "heads.json"
 WEIGHTS_NAME = "heads.safetensors"
@@ -187,12 +187,9 @@ class DraftVocabHead:
         self.weight = lm_head_weight.detach()[self.draft_ids].float()  # [draft_vocab, hidden]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        x = features.float()
-        if x.device.type == "cpu" and not torch.is_grad_enabled() and native_linear.available():
-            # a few rows against 4096 x hidden: bound by reading the weight, which the native row kernel does
-            # at close to memory speed (MKL's few-row path reads it once per row)
-            return native_linear.linear(x, self.weight)
-        return x @ self.weight.T
+        # a few rows against 4096 x hidden: bound by reading the weight, which the native row kernel reads once
+        # for all rows where it is built
+        return row_linear(features.float(), self.weight)
 
 
 def draft_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

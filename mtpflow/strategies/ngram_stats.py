@@ -3,7 +3,8 @@
 Two sources, both outside the benchmark suite: shipped request text (``--text``: JSONL files with a ``prompt`` or ``text``
 field) and the model's own greedy answers to generated prompts (topics x tasks below, ``--tasks N`` per
 topic). The shipped table (``mtpflow/data/ngram_smollm2.npz``) was built from text only, because generating
-answers on the shared 2-core CPU was too slow (hours) for this release:
+answers on the shared 2-core CPU was too slow for this release
+(docs/bench/code-figures.md#ngram_stats-module-docstring):
 ``python -m mtpflow.strategies.ngram_stats --tasks 0 --text mtpflow/data/domain_prompts.jsonl
 mtpflow/data/head_train_prompts.jsonl``; add ``--tasks 5`` on a free machine for the answer corpus.
 """

@@ -44,8 +44,8 @@ class PromptLookupProposer:
 
     Cost-aware when ``costs`` is set (``auto``: the verify-forward cost per K measured once on this device and
     model and cached, as ``python -m mtpflow.bench mode=cost`` shows; or a {K: seconds} mapping). A verify
-    forward over several tokens can cost more than a one-token forward (1.1-1.5x on a 2-core CPU with packed
-    linears, 1.3-2.3x with stock MKL ones, about 1.0x on a GPU), so a draft only pays when the tokens it is
+    forward over several tokens can cost more than a one-token forward (markedly on a CPU, barely on a GPU;
+    measured: docs/bench/code-figures.md#pld-promptlookupproposer), so a draft only pays when the tokens it is
     expected to add beat its extra cost. The proposer keeps, per matched n-gram length, decayed counts of
     accepted draft tokens and of rejections, estimates the per-token acceptance a, and drafts the length L
     (0 = no draft) with the most expected tokens, 1 + a + ... + a^L, per unit of cost. Skipped matches slowly

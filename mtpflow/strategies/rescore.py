@@ -74,7 +74,7 @@ class TargetRescorer:
             p = target_probs(logits, state.sampling)
             residual = p.clone()
             if refused:
-                residual[draft.tokens[refused]] = 0.0
+                residual[draft.tokens[refused].to(residual.device)] = 0.0
             token = sample(residual / residual.sum() if float(residual.sum()) > 0 else p, rng)
         info = {**decision.info, "rescored_from": displaced}
         return replace(decision, next_token=token, decided_by="rescore", info=info)

@@ -4,10 +4,12 @@ ranked highest after it, most recent forward wins), expands a draft tree from th
 over a fixed tree template, and updates the table after each step, rejected branches included.
 
 The table is ``vocab x top_k`` int32 (1.5 MB for SmolLM2's 49152 tokens at k = 8), fixed in size, so it is
-bounded by construction. It can be shared across requests (``shared: true``, the default: measured ahead, see
-docs/drafters.md) through ``RunContext.shared``, under a lock. Each template node learns how often it is
-accepted when its parent was, so a node's PFS is an acceptance estimate and the cost-aware PFS pruner keeps the
-part of the template that pays for its verify cost.
+bounded by construction. It lives on the CPU whatever the model's device, like the drafts it builds: expanding a
+tree reads a few entries per level, which on a GPU would be a host sync each; each step copies the verify
+forward's top-k ids (``[1 + num_nodes, top_k]``) over once. It can be shared across requests (``shared: true``,
+the default: measured ahead, see docs/drafters.md) through ``RunContext.shared``, under a lock. Each template
+node learns how often it is accepted when its parent was, so a node's PFS is an acceptance estimate and the
+cost-aware PFS pruner keeps the part of the template that pays for its verify cost.
 """
 from __future__ import annotations
 
@@ -133,9 +135,10 @@ class AdjacencyTable:
                 last[t] = i
         if not last:
             return
-        rows = torch.tensor(list(last.values()))
+        rows = torch.tensor(list(last.values()), device=candidates.device)
+        successors = candidates[rows].to(self.table.device, torch.int32)  # the table stays on the CPU
         with self.lock:
-            self.table[torch.tensor(list(last.keys()))] = candidates[rows].to(torch.int32)
+            self.table[torch.tensor(list(last.keys()))] = successors
             self.updates += 1
 
     def seed(self, tokens: list[int]) -> None:
@@ -247,7 +250,8 @@ class TokenRecyclingProposer:
             rows = [r + 1 for r in order] + [0] + [a + 1 for a in accepted]  # the accepted path last
             inputs = [record.state.root_token] + draft.tokens.tolist()
             k = min(self.top_k, logits.shape[-1])
-            candidates = logits[torch.tensor(rows)].topk(k, dim=-1).indices
+            # the top-k on the logits' device, then one copy of [rows, k] ids to the table's (CPU) side
+            candidates = logits[torch.tensor(rows, device=logits.device)].topk(k, dim=-1).indices.cpu()
             if k < self.top_k:
                 candidates = torch.cat([candidates, candidates.new_full((len(rows), self.top_k - k), -1)], 1)
             self.table.update([inputs[r] for r in rows], candidates)

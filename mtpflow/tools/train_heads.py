@@ -42,7 +42,7 @@ def compose(overrides: list[str]) -> DictConfig:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from mtpflow.config import conf_dir
+    from mtpflow.conf import conf_dir
 
     with _lock:
         GlobalHydra.instance().clear()
@@ -329,7 +329,7 @@ def data_folder(cfg: DictConfig, model_id: str) -> tuple[Path, dict]:
     """(shard folder, data settings): ``data.folder`` if set, else one folder per model and data settings under
     the cache, so a rerun with the same settings resumes and reuses the text."""
     from mtpflow.tools.head_data import settings_key
-    from mtpflow.model import cache_dir
+    from mtpflow.host import cache_dir
 
     settings = OmegaConf.to_container(cfg.data, resolve=True)
     settings.pop("folder", None)
@@ -379,7 +379,8 @@ def check_settings(cfg: DictConfig) -> list[str]:
 def run(cfg: DictConfig, loaded=None) -> Path:
     """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
     ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
-    from mtpflow.model import cache_dir, encode_prompt, load_configured
+    from mtpflow.host import cache_dir
+    from mtpflow.model import encode_prompt, load_configured
     from mtpflow.tools.head_data import generate_data, generated_tokens, load_shards
 
     if cfg.get("export"):  # export=vllm: write the EAGLE heads (model.heads) as a vLLM draft checkpoint instead

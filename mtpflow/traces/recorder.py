@@ -2,7 +2,9 @@
 
 It listens on on_run_start / on_step_end / on_run_end, plus a pluggy wrapper around ``prune`` to see the
 nodes the pruners dropped (the step record only holds the kept ones). Rows are buffered in memory and
-written in one transaction every ``flush_seconds``, and at the end of the run whatever its status.
+written in one transaction every ``flush_seconds``, and at the end of the run whatever its status. A run that
+failed on an internal error keeps its traceback (the run's ``error_traceback`` column) and its one-line error
+(``stats["error"]``).
 
 ``trace.sample`` is the share of runs whose per-token events are written (chosen from the run id, so the same
 runs are sampled on every replay of a database); run rows and steps, which the metrics are computed from,
@@ -127,10 +129,12 @@ class TraceRecorder:
         try:
             self._fill_texts(self._events)
             stats = dict(result.stats)
+            # a failed run's traceback (put there by the engine; its one line stays in the stats as "error")
+            error_traceback = stats.pop("error_traceback", None)
             if not self.sampled:
                 stats["trace_events_sampled"] = False  # tells the viewers why a run has steps but no tokens
             self.store.finish_run(self.run_id, status, output_text=result.text, stats=stats,
-                                  steps=self._steps, events=self._events)
+                                  steps=self._steps, events=self._events, error_traceback=error_traceback)
         except Exception as exc:
             self._give_up(exc)
         self._steps, self._events = [], []

@@ -58,6 +58,8 @@ class Run(Base):
     stats: Mapped[str | None] = mapped_column(Text, nullable=True)  # JSON: RunStats.as_dict() at the end
     pid: Mapped[int | None] = mapped_column(Integer, nullable=True)  # schema v2: tells killed runs apart
     hostname: Mapped[str | None] = mapped_column(String(255), nullable=True)  # schema v2
+    # the traceback of the internal error a failed run ended on; added to older files when opened (OPTIONAL_COLUMNS)
+    error_traceback: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
 class Step(Base):
@@ -117,9 +119,21 @@ def _migrate_v1_to_v2(conn: Connection) -> None:
 MIGRATIONS: dict[int, Callable[[Connection], None]] = {1: _migrate_v1_to_v2}
 SCHEMA_VERSION = 2
 
+# Nullable columns added without a version bump: a file that lacks one gets it (ALTER TABLE ADD COLUMN) when it
+# is opened, and an older mtpflow still reads a file that has it (it selects its own columns by name).
+OPTIONAL_COLUMNS = {"runs": {"error_traceback": "TEXT"}}
+
+
+def _add_optional_columns(conn: Connection) -> None:
+    for table, columns in OPTIONAL_COLUMNS.items():
+        have = {row[1] for row in conn.exec_driver_sql(f"PRAGMA table_info({table})")}
+        for name, kind in columns.items():
+            if name not in have:
+                conn.exec_driver_sql(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+
 
 def default_db_path() -> Path:
-    from mtpflow.model import cache_dir
+    from mtpflow.host import cache_dir
 
     return cache_dir() / "traces.db"
 
@@ -238,6 +252,7 @@ class TraceStore:
             while version < SCHEMA_VERSION:
                 MIGRATIONS[version](conn)
                 version += 1
+            _add_optional_columns(conn)
             conn.execute(update(SchemaVersion).where(SchemaVersion.id == 1)
                          .values(version=version, migrated_at=time.time()))
             Base.metadata.create_all(conn)  # tables added by later versions (none yet): checkfirst
@@ -280,7 +295,7 @@ class TraceStore:
                 s.execute(insert(TokenEvent), events)
 
     def finish_run(self, run_id: int, status: str, *, output_text: str | None, stats: dict | None,
-                   steps: list[dict] = (), events: list[dict] = ()) -> None:
+                   steps: list[dict] = (), events: list[dict] = (), error_traceback: str | None = None) -> None:
         with self._write() as s:
             if steps:
                 s.execute(insert(Step), list(steps))
@@ -288,7 +303,7 @@ class TraceStore:
                 s.execute(insert(TokenEvent), list(events))
             s.execute(update(Run).where(Run.id == run_id).values(
                 status=status, finished_at=time.time(), output_text=output_text,
-                stats=None if stats is None else json.dumps(stats, default=str)))
+                stats=None if stats is None else json.dumps(stats, default=str), error_traceback=error_traceback))
 
     # ----- retention (mtpflow.traces.retention decides what to delete) -------------------------------------
     def file_bytes(self) -> int:

@@ -101,19 +101,26 @@ def test_variants_first_time_and_repeated_requests(tiny_dir, tmp_path):
 
 
 def test_cost_mode_end_to_end(tiny_dir, tmp_path):
+    """``backends=both`` (the default) measures each backend that applies: hf always, native_cpu where the
+    kernels build (the tiny model is a float32 Llama on SDPA); ``backends=hf`` only hf."""
+    from mtpflow.kernels import native_linear
+
     code = bench.main([f"model={tiny_dir}", "mode=cost", "cost_ks=[0,1,4]", "cost_context=16", f"out={tmp_path}"])
     assert code == 0
     table = pd.read_csv(tmp_path / "verify_cost.csv")
-    from mtpflow.kernels import cpu_linear
-
-    kinds = {"stock", "packed"} if cpu_linear.available() else {"stock"}
-    assert set(table["linear"]) == kinds and set(table["k"]) == {0, 1, 4}
+    assert set(table["backend"]) == ({"hf", "native_cpu"} if native_linear.available() else {"hf"})
+    assert len(table) == 3 * table["backend"].nunique() and set(table["k"]) == {0, 1, 4}
     assert (table.loc[table["k"] == 0, "cost_vs_k0"] == 1.0).all()
+    out = tmp_path / "hf_only"
+    assert bench.main([f"model={tiny_dir}", "mode=cost", "backends=hf", "cost_ks=[0,2]", "cost_context=16",
+                       f"out={out}"]) == 0
+    table = pd.read_csv(out / "verify_cost.csv")
+    assert set(table["backend"]) == {"hf"} and set(table["k"]) == {0, 2}
 
 
 def test_bad_options_exit_2(capsys):
     assert bench.main(["nonsense=1"]) == 2
-    assert bench.main(["mode=cost", "cpu_linear=maybe", "model=/does/not/exist"]) == 2
+    assert bench.main(["mode=cost", "backends=maybe", "model=/does/not/exist"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and all(line.startswith("mtpflow.bench: error:") for line in err)
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from helpers import hf_greedy, make_pipeline
 
@@ -34,8 +35,9 @@ def test_default_model_lossless(default_loaded, strategy):
 
 
 def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded, monkeypatch):
-    """model.quantize=int8: mtp and pld through the int8 kernel equal HF generate over the dequantized weights
-    (the same model in float32, stock linears) token for token; drafts are accepted."""
+    """model.quantize=int8: mtp and pld through the int8 kernel (the native_cpu backend over
+    ``LoadedModel.int8``) equal HF generate over the dequantized weights (the same model in float32, HF's own
+    forward) token for token; drafts are accepted."""
     from mtpflow.kernels import native_linear
     from mtpflow.model import load_model
 
@@ -43,11 +45,13 @@ def test_int8_weights_are_lossless_against_hf_on_the_same_weights(default_loaded
         pytest.skip("no C compiler to build the native kernel")
     loaded = load_model("smollm2", quantize="int8")
     assert loaded.model is not default_loaded.model  # the float32 model is untouched
+    assert loaded.int8 and len(loaded.int8) == sum(isinstance(m, torch.nn.Linear) for m in loaded.model.modules())
     calls = []
     real = native_linear.linear_int8
     monkeypatch.setattr(native_linear, "linear_int8", lambda *a, **k: calls.append(1) or real(*a, **k))
     for strategy in ("mtp_heads", "pld"):
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=32", "trace=off", "model.quantize=int8")
+        assert pipe.engine.backend.name == "native_cpu" and pipe.engine.backend.int8 is not None
         accepted = 0
         for prompt in PROMPTS:
             ids = pipe.encode(prompt).tolist()

@@ -1,15 +1,17 @@
 """The certified LM head (mtpflow.kernels.certified_head): int8 logits with a rigorous bound, exact float32 logits
-for every token that could be a row's argmax; which sequences take it; greedy decoding through it equals HF."""
+for every token that could be a row's argmax; which sequences take it (``NativeCPUBackend.head_logits``); greedy
+decoding through it equals HF."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import hf_greedy, make_pipeline
-from mtpflow import forward as lean
+from helpers import hf_greedy, make_pipeline, make_tiny_model
+from mtpflow.backends import native_cpu, quantize_int8
+from mtpflow.config import certified_head_enabled
 from mtpflow.errors import ConfigError
-from mtpflow.kernels import certified_head, cpu_linear, native_linear
+from mtpflow.kernels import certified_head, native_linear
 
 pytestmark = pytest.mark.skipif(not native_linear.available(), reason="the native CPU kernels could not be built")
 
@@ -52,35 +54,56 @@ def test_a_near_tie_is_decided_by_the_float32_logits():
 
 
 def test_rebuilt_when_the_weight_changes_in_place():
-    model = torch.nn.Module()
-    model.lm_head = head()
+    backend = native_cpu.NativeCPUBackend(make_tiny_model(512, layers=1))
+    model = backend.model
     x = torch.randn(2, 64)
-    first = certified_head.certified_logits(model, x)
-    kept = model._mtpflow_certified_head
-    certified_head.certified_logits(model, x)
-    assert model._mtpflow_certified_head is kept  # the same weight: built once
-    model.lm_head.weight.mul_(-1.0)
-    again = certified_head.certified_logits(model, x)
-    assert model._mtpflow_certified_head is not kept
+    first = backend.head_logits(x, argmax_only=True)
+    kept = backend._head
+    assert isinstance(kept, certified_head.CertifiedHead)
+    backend.head_logits(x, argmax_only=True)
+    assert backend._head is kept  # the same weight: built once
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)
+    again = backend.head_logits(x, argmax_only=True)
+    assert backend._head is not kept
     assert torch.equal(again.argmax(-1), F.linear(x, model.lm_head.weight).argmax(-1))
     assert not torch.equal(first.argmax(-1), again.argmax(-1))
 
 
-def test_what_it_declines():
+def test_what_it_declines(monkeypatch):
     layer = head()
     assert certified_head.applies(layer, 1) and certified_head.applies(layer, certified_head.MAX_ROWS)
     assert not certified_head.applies(layer, certified_head.MAX_ROWS + 1)  # wide: the float32 head is as fast
     assert not certified_head.applies(torch.nn.Linear(64, 512), 1)  # a bias
     assert not certified_head.applies(head().to(torch.bfloat16), 1)
-    quantized = cpu_linear.PackedLinear(64, 512, bias=False)
-    quantized._mtpflow_int8 = native_linear.quantize_int8(quantized.weight)
-    assert not certified_head.applies(quantized, 1)  # model.quantize=int8: its own int8 head already
-    model = torch.nn.Module()
-    model.lm_head = head()
-    x = torch.randn(certified_head.MAX_ROWS + 1, 64)
-    assert torch.equal(certified_head.certified_logits(model, x), model.lm_head(x))  # the float32 head itself
+    calls = []
+    real = certified_head.CertifiedHead.logits
+    monkeypatch.setattr(certified_head.CertifiedHead, "logits", lambda self, x: calls.append(1) or real(self, x))
+    backend = native_cpu.NativeCPUBackend(make_tiny_model(512, layers=1))
+    wide = torch.randn(certified_head.MAX_ROWS + 1, 64)
+    # too many rows, or a reader of the whole distribution: the native float32 head itself
+    for x, argmax_only in ((wide, True), (wide[:3], False)):
+        got = backend.head_logits(x, argmax_only)
+        assert torch.equal(got, backend.module(backend.model.lm_head, x))
+        torch.testing.assert_close(got, backend.model.lm_head(x), rtol=1e-5, atol=1e-5)
+    assert not calls
+    backend.head_logits(wide[:3], True)
+    assert calls  # the same backend takes it where it applies
+    calls.clear()
+    # model.quantize=int8: the backend's own int8 head already, never the certified one
+    model = make_tiny_model(512, layers=1)
+    quantized = native_cpu.NativeCPUBackend(model, int8=quantize_int8(model))
+    assert not quantized.certified and not quantized.takes_argmax_only()
+    x = torch.randn(3, 64)
+    assert torch.equal(quantized.head_logits(x, True), quantized.module(model.lm_head, x)) and not calls
+    # model.certified_head=false
+    off = native_cpu.NativeCPUBackend(make_tiny_model(512, layers=1), certified_head=False)
+    assert not off.takes_argmax_only()
+    off.head_logits(x, True)
+    assert not calls
+    assert certified_head_enabled({}) and not certified_head_enabled({"model": {"certified_head": False}})
     with pytest.raises(ConfigError, match="model.certified_head must be true or false"):
-        certified_head.check_enabled("yes")
+        certified_head_enabled({"model": {"certified_head": "yes"}})
 
 
 def test_only_greedy_argmax_readers_take_it(tiny, monkeypatch):
@@ -91,20 +114,21 @@ def test_only_greedy_argmax_readers_take_it(tiny, monkeypatch):
     real = certified_head.CertifiedHead.logits
     monkeypatch.setattr(certified_head.CertifiedHead, "logits", lambda self, x: calls.append(1) or real(self, x))
     seen = []
-    real_rows = lean.native_rows
-    monkeypatch.setattr(lean, "native_rows", lambda *a, **k: seen.append(k.get("argmax_only")) or real_rows(*a, **k))
+    real_rows = native_cpu._RowSpec.run_groups
+    monkeypatch.setattr(native_cpu._RowSpec, "run_groups",
+                        lambda *a, **k: seen.append(k.get("argmax_only")) or real_rows(*a, **k))
 
     def run(strategy, *overrides):
         calls.clear()
         seen.clear()
-        pipe = make_pipeline(tiny, strategy, "max_new_tokens=24", "trace=off", "model.cpu_linear=packed", *overrides)
-        cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+        pipe = make_pipeline(tiny, strategy, "max_new_tokens=24", "trace=off", "model.backend=native_cpu",
+                             *overrides)
         return pipe, pipe(prompt_ids=prompt).token_ids
 
     for strategy in ("baseline", "pld", "mtp"):
         pipe, tokens = run(strategy)
         assert tokens == hf_greedy(pipe.loaded.model, prompt, 24)
-        assert calls and seen and all(seen)
+        assert calls and seen and all(seen), strategy
     for strategy, overrides in [("sampling", ()), ("typical", ()), ("domain_aware", ()),
                                 ("pld", ("model.certified_head=false",))]:
         run(strategy, *overrides)

@@ -45,14 +45,28 @@ def test_tree_and_chain_logits_match_sdpa_on_cuda(tiny_cuda):
         torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3)
 
 
+def test_auto_takes_the_hf_backend_on_cuda_and_native_cpu_is_one_line(tiny_cuda):
+    from mtpflow import backends
+    from mtpflow.errors import UserError
+
+    tiny_cuda.model.set_attn_implementation("sdpa")
+    assert backends.create(tiny_cuda.model, "auto").name == "hf"
+    with pytest.raises(UserError, match="model.backend=native_cpu does not apply here: it runs on the CPU and the "
+                                        "model is on cuda"):
+        backends.create(tiny_cuda.model, "native_cpu")
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "mtpflow"])
 def test_decode_tokens_identical_on_cuda(tiny_cuda, attn):
     from helpers import make_pipeline
 
     tiny_cuda.model.set_attn_implementation(attn)
     ids = [5, 9, 12, 40, 5, 9, 12, 7, 5, 9] * 3
-    out = {b: make_pipeline(tiny_cuda, "pld", "max_new_tokens=32", f"kernels={b}")(prompt_ids=ids).token_ids
-           for b in ("torch", "triton")}
+    out = {}
+    for b in ("torch", "triton"):
+        pipe = make_pipeline(tiny_cuda, "pld", "max_new_tokens=32", f"kernels={b}")
+        assert pipe.engine.backend.name == "hf"  # model.backend=auto: native_cpu does not apply on CUDA
+        out[b] = pipe(prompt_ids=ids).token_ids
     assert out["torch"] == out["triton"]
 
 

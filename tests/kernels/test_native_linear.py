@@ -1,12 +1,16 @@
-"""The native small-batch linear (mtpflow.kernels.native_linear, small_gemm.c) against its reference, F.linear."""
+"""The native small-batch linear (mtpflow.kernels.native_linear, small_gemm.c) against its reference, F.linear, and
+the ``native_cpu`` backend's products over it."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import hf_greedy, make_pipeline, tiny_loaded
-from mtpflow.kernels import cpu_linear, native_linear
+from helpers import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
+from mtpflow import backends
+from mtpflow.backends import native_cpu
+from mtpflow.errors import UserError
+from mtpflow.kernels import native_linear
 
 needs_native = pytest.mark.skipif(not native_linear.available(), reason="no C compiler to build the native kernel")
 
@@ -103,20 +107,21 @@ def test_panel_layout():
     assert not panels[1, :, 70 - native_linear.PANEL:].any()  # zero rows past the weight's end
 
 
-def test_turned_off_or_no_compiler_means_no_native_plan(fresh_library, monkeypatch):
+def test_turned_off_or_no_compiler_means_no_native_backend(fresh_library, monkeypatch):
+    """Without the kernels the native_cpu backend does not apply: ``auto`` runs ``hf``, an explicit
+    ``native_cpu`` is one line."""
+    model = make_tiny_model(64, layers=1)
     monkeypatch.setenv("MTPFLOW_NATIVE", "0")
-    assert native_linear.library() is None and "native" not in cpu_linear.available_plans()
+    assert native_linear.library() is None
+    assert "C kernel could not be built" in native_cpu.not_applicable(model)
     native_linear.library.cache_clear()
     monkeypatch.delenv("MTPFLOW_NATIVE")
     monkeypatch.setenv("CC", str(fresh_library / "no-such-compiler"))
     assert not native_linear.available()
-    assert cpu_linear.available_plans() == ("stock", "packed", "head")
-    layer = torch.nn.Linear(48, 96)
-    cpu_linear.install(torch.nn.Sequential(layer), plans=("native",) * len(cpu_linear.ROW_BUCKETS))
-    assert set(layer._mtpflow_row_paths) == {"stock"}  # a stored "native" plan runs stock where it cannot build
-    x = torch.randn(5, 48)
-    with torch.inference_mode(), cpu_linear.packed():
-        assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))
+    assert "C kernel could not be built" in native_cpu.not_applicable(model)
+    assert backends.create(model, "auto").name == "hf"
+    with pytest.raises(UserError, match="model.backend=native_cpu does not apply here: mtpflow's C kernel"):
+        backends.create(model, "native_cpu")
 
 
 @needs_native
@@ -130,24 +135,30 @@ def test_a_damaged_cached_build_is_rebuilt(fresh_library):
 
 
 @needs_native
-def test_native_plan_routes_rows_to_the_right_kernel():
+def test_the_backend_routes_rows_to_the_right_kernel(monkeypatch):
+    """A native_cpu product: the row kernel (no copy of the weight) below ``panel_min_rows()`` rows, the panel
+    kernel over the backend's panel copy from there on, a prompt's many rows included; the copy follows an
+    in-place change of the weight."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(48, 96)
-    cpu_linear.install(torch.nn.Sequential(layer), plans=("native",) * len(cpu_linear.ROW_BUCKETS))
-    assert set(layer._mtpflow_row_paths) == {"native"}
-    with torch.inference_mode(), cpu_linear.packed():
-        for rows in range(1, native_linear.panel_min_rows()):
-            x = torch.randn(1, rows, 48)
-            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert layer._mtpflow_panels is None  # the row kernel needs no copy of the weight
-        x = torch.randn(1, 9, 48)
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert layer._mtpflow_panels is not None  # from panel_min_rows() rows: the panel kernel
-        long = torch.randn(1, 40, 48)  # past the largest row bucket (a prefill): stock
-        assert torch.equal(layer(long), F.linear(long, layer.weight, layer.bias))
+    backend = native_cpu.NativeCPUBackend(make_tiny_model(96, layers=1))
+    layer = backend.model.model.layers[0].mlp.down_proj
+    calls = []
+    for name in ("mtpflow_small_gemm", "mtpflow_panel_gemm"):
+        real = getattr(backend.lib, name)
+        monkeypatch.setattr(backend.lib, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    with torch.inference_mode():
+        for rows in range(1, native_linear.panel_min_rows(backend.lib)):
+            x = torch.randn(1, rows, layer.in_features)
+            torch.testing.assert_close(backend.module(layer, x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+        assert set(calls) <= {"mtpflow_small_gemm"} and not backend._panels  # the row kernel needs no copy
+        for rows in (9, 40):  # a verify's rows, a prompt's
+            calls.clear()
+            x = torch.randn(1, rows, layer.in_features)
+            torch.testing.assert_close(backend.module(layer, x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
+            assert calls == ["mtpflow_panel_gemm"] and layer.weight.data_ptr() in backend._panels
         with torch.no_grad():
             layer.weight.mul_(2.0)  # panels follow the weight
-        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(backend.module(layer, x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
 
 
 @needs_native
@@ -156,11 +167,9 @@ def test_decode_is_lossless_with_native_linears(strategy, k):
     loaded = tiny_loaded(seed=5)
     ids = list(range(7, 27)) * 2
     ref = hf_greedy(loaded.model, ids, 40)
-    cpu_linear.install(loaded.model, plans=("native",) * len(cpu_linear.ROW_BUCKETS))
     overrides = ["strategy.propose.costs=null"] if strategy == "pld" else []
-    pipe = make_pipeline(loaded, strategy, "max_new_tokens=40", "model.cpu_linear=auto",
+    pipe = make_pipeline(loaded, strategy, "max_new_tokens=40", "model.backend=auto",
                          f"strategy.select_k.k={k}", *overrides)
-    with cpu_linear.packed():
-        assert "[" + ",".join(["native"] * len(cpu_linear.ROW_BUCKETS)) + "] native:" in cpu_linear.state(loaded.model)
+    assert pipe.engine.backend.name == "native_cpu"
     assert pipe(prompt_ids=ids).token_ids == ref
-    assert hf_greedy(loaded.model, ids, 40) == ref  # HF generate on the same model object stays stock
+    assert hf_greedy(loaded.model, ids, 40) == ref  # HF generate on the same model object: still its own forward

@@ -55,7 +55,7 @@ def test_listing_follows_a_strategy_built_on_another(tmp_path):
     """A strategy YAML whose Hydra defaults list names another (``mtp`` builds on ``suffix_cache``) lists the
     stage classes the composed strategy has (its own where it overrides a stage); a defaults entry that is not a
     plain name is skipped."""
-    from mtpflow.config import conf_dir
+    from mtpflow.conf import conf_dir
     from mtpflow.plugin_listing import strategy_targets
 
     (tmp_path / "base.yaml").write_text("propose: {_target_: a.Proposer}\ngate: {_target_: a.Gate}\n")

@@ -61,13 +61,7 @@ def test_cost_aware_pld_drafts_only_when_it_pays(tiny):
 
 
 def test_pld_auto_costs_measures_once_and_reports(tiny, tmp_path, monkeypatch):
-    import mtpflow.model
-
-    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
-    # a timing taken while the suite loads the CPU is marked busy and taken again by the next load that finds the
-    # CPU quiet (cached_timing; a CI-like run timed this tiny model's curve 1.9x apart): here it is never busy
-    monkeypatch.setattr(mtpflow.model, "BUSY_SPREAD", float("inf"))
-    monkeypatch.setattr(mtpflow.model, "load_average", lambda: 0.0)
+    monkeypatch.setenv("MTPFLOW_PROFILE", str(tmp_path / "profile.json"))  # no entry yet: the first run tunes it
     ids = repetitive(len(tiny.tokenizer))
     pipe = make_pipeline(tiny, "pld", "max_new_tokens=16")
     first = pipe(prompt_ids=ids)
@@ -238,16 +232,15 @@ def test_decayed_acceptance_learns_and_forgets_rejections():
 
 
 def test_batch_costs_are_measured_once_then_read_from_the_cache(tiny, tmp_path, monkeypatch):
-    import os
-
     from mtpflow import cost_model
+    from mtpflow.backends import HFBackend
 
-    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setenv("MTPFLOW_PROFILE", str(tmp_path / "profile.json"))
     calls = []
     grid = {(b, q): [0.01 * b * q, 0.011 * b * q] for b in (1, 4) for q in (1, 3)}
     monkeypatch.setattr(cost_model, "measure_batch_costs", lambda *a, **k: calls.append(1) or grid)
-    model, source = cost_model.load_batch_costs(tiny)
+    backend = HFBackend(tiny.model)
+    model, source = cost_model.load_batch_costs(tiny, backend)
     assert source == "measured" and model.table[(4, 3)] == pytest.approx(0.12)  # the fastest repeat
-    again, source = cost_model.load_batch_costs(tiny)
+    again, source = cost_model.load_batch_costs(tiny, backend)
     assert source == "cached" and again.table == model.table and len(calls) == 1

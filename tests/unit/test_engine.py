@@ -98,7 +98,7 @@ def test_requests_admitted_together_are_prefilled_in_one_packed_forward(tiny, mo
     """An idle engine prefills a ``submit_many`` list in packed forwards of at most ``PACKED_PREFILL_ROWS`` prompt
     rows (one here; two with an 80-row bound, and a prompt alone), and every request still decodes as HF greedy."""
     from mtpflow import forward as lean
-    from mtpflow import target
+    from mtpflow.backends import hf
 
     packs = count_runs(monkeypatch, lean, "forward_packed")
     prompts = random_prompts(6, seed=21)
@@ -108,7 +108,7 @@ def test_requests_admitted_together_are_prefilled_in_one_packed_forward(tiny, mo
                     for i, p in enumerate(prompts)]
         results = engine.generate(requests)
         assert len(packs) == 1
-        monkeypatch.setattr(target, "PACKED_PREFILL_ROWS", 80)
+        monkeypatch.setattr(hf, "PACKED_PREFILL_ROWS", 80)
         packs.clear()
         again = engine.generate(requests)
     finally:

@@ -1,5 +1,5 @@
 """The int8 self-draft (strategy ``int8_draft``): the target's own layers over an int8 copy of their weights draft
-on the target's KV cache (``mtpflow.forward.draft_rows``, native rows); the float32 target verifies. Lossless on the
+on the target's KV cache (``NativeCPUBackend.self_draft``, native rows); the float32 target verifies. Lossless on the
 tiny model and the default model, what the int8 rows compute, its memory, its errors."""
 from __future__ import annotations
 
@@ -8,10 +8,8 @@ import torch
 from transformers import DynamicCache
 
 from helpers import hf_greedy, make_pipeline, make_tiny_model
-from mtpflow import forward as lean
 from mtpflow.errors import ConfigError, UserError
-from mtpflow.kernels import cpu_linear, native_linear
-from mtpflow.kv_cache import KVPool
+from mtpflow.kernels import native_linear
 from mtpflow.strategies.draft_model import DraftModelProposer
 from mtpflow.target import Target
 
@@ -21,8 +19,8 @@ PROMPTS = [[5, 17, 23, 8, 42, 11, 9], [3, 3, 7, 19, 2], [40, 41, 42, 43, 44, 45,
 
 
 def native_pipeline(loaded, strategy, *overrides):
-    pipe = make_pipeline(loaded, strategy, "trace=off", "model.cpu_linear=packed", *overrides)
-    cpu_linear.apply_plans(pipe.loaded.model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+    pipe = make_pipeline(loaded, strategy, "trace=off", "model.backend=native_cpu", *overrides)
+    assert pipe.engine.backend.name == "native_cpu"
     return pipe
 
 
@@ -33,18 +31,17 @@ def dequantized(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.inference_mode()
 def test_int8_rows_compute_the_dequantized_model_on_the_float_cache(tiny):
-    """draft_rows' tokens are HF's greedy tokens from a copy of the model whose products hold the int8 weights
+    """The self-draft's tokens are HF's greedy tokens from a copy of the model whose products hold the int8 weights
     (dequantized), continuing from the float32 model's cache of the prompt (the committed entries are the float
     target's), the LM head, embeddings and norms float32."""
     pipe = native_pipeline(tiny, "baseline", "max_new_tokens=2")
     model = pipe.loaded.model
-    pipe(prompt_ids=PROMPTS[0])  # fuses the products and builds the native spec
+    backend = pipe.engine.backend
+    pipe(prompt_ids=PROMPTS[0])
     prompt = torch.tensor(PROMPTS[2])
-    with cpu_linear.packed():
-        target = Target(model)
-        target.prefill(prompt[:-1])
-        drafted = lean.draft_rows(model, target.pool, target.kv.slot, target.cache_len, int(prompt[-1]),
-                                  len(prompt) - 1, 6)
+    target = Target(backend)
+    target.prefill(prompt[:-1])
+    drafted = backend.self_draft(target, int(prompt[-1]), len(prompt) - 1, 6)
     assert drafted is not None and len(drafted) == 6
     reference = make_tiny_model(len(tiny.tokenizer), seed=0)
     assert torch.equal(reference.lm_head.weight, model.lm_head.weight)
@@ -61,9 +58,9 @@ def test_int8_rows_compute_the_dequantized_model_on_the_float_cache(tiny):
         token = int(out.logits[0, -1].argmax())
         expected.append(token)
     assert drafted == expected
-    spec = lean._row_spec(model)
+    spec = backend._rows
     layers, hidden, inter = model.config.num_hidden_layers, model.config.hidden_size, model.config.intermediate_size
-    qkv = model.model.layers[0].self_attn._mtpflow_qkv.weight.shape[0]
+    qkv = backend.qkv[0].weight.shape[0]
     per_layer = (qkv + hidden + 2 * inter) * hidden + inter * hidden  # int8 weights of the four products
     assert spec.int8_bytes == layers * (per_layer + 4 * (qkv + hidden + 2 * inter + hidden))  # + float scales
 
@@ -77,19 +74,6 @@ def test_int8_draft_is_lossless_and_drafts(tiny):
         assert result.stats["draft_model"] == "target int8"
 
 
-def test_int8_draft_runs_whatever_the_float_plan(tiny):
-    """The draft needs the native forward, not a native float32 plan: with stock plans (the verify forwards in
-    Python) it still drafts through the int8 rows, and decoding stays HF's."""
-    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=24", "strategy.propose.cost_aware=false")
-    model = pipe.loaded.model
-    cpu_linear.apply_plans(model, ("stock",) * len(cpu_linear.ROW_BUCKETS))
-    try:
-        result = pipe(prompt_ids=PROMPTS[1])
-        assert result.token_ids == hf_greedy(model, PROMPTS[1], 24) and result.stats["accepted_tokens"] > 0
-    finally:
-        cpu_linear.apply_plans(model, ("native",) * len(cpu_linear.ROW_BUCKETS))
-
-
 def test_int8_copy_is_built_once_and_bounded_after_200_requests(tiny):
     """The int8 copy is the draft's only extra memory: built once per model, the same bytes after 200 requests."""
     pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=6", "strategy.propose.cost_aware=false")
@@ -98,7 +82,7 @@ def test_int8_copy_is_built_once_and_bounded_after_200_requests(tiny):
     for i in range(200):
         pipe(prompt_ids=torch.randint(1, len(tiny.tokenizer), (int(torch.randint(3, 20, (1,), generator=g)),),
                                       generator=g).tolist())
-        spec = lean._row_spec(pipe.loaded.model)
+        spec = pipe.engine.backend._rows
         if built is None:
             built = (spec.int8_bytes, id(spec._q8[1]))
         assert (spec.int8_bytes, id(spec._q8[1])) == built
@@ -115,9 +99,9 @@ def test_int8_draft_errors():
 
 
 def test_int8_draft_needs_the_native_forward(tiny):
-    pipe = make_pipeline(tiny, "int8_draft", "max_new_tokens=8", "trace=off", "model.cpu_linear=stock",
+    pipe = make_pipeline(tiny, "int8_draft", "max_new_tokens=8", "trace=off", "model.backend=hf",
                          "strategy.propose.cost_aware=false")
-    with pytest.raises(UserError, match="needs mtpflow's native CPU forward"):
+    with pytest.raises(UserError, match="needs the native_cpu backend's self-draft"):
         pipe(prompt_ids=PROMPTS[0])
 
 

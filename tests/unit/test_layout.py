@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mtpflow
 
-COMMANDS = ("bench", "train_heads", "train_domain")  # python -m mtpflow.<name>: entry points into mtpflow.tools
+COMMANDS = ("bench", "train_heads", "train_domain", "tune")  # python -m mtpflow.<name>: entry points into mtpflow.tools
 
 
 def test_inference_path_imports_no_training_or_bench_code():
@@ -53,3 +53,105 @@ def test_transformers_imports_from_the_checkout_as_working_directory():
     out = subprocess.run([sys.executable, "-c", code], cwd=checkout, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "mtpflow.kernels"
+
+
+# ----- the import graph is a tree ------------------------------------------------------------------------------
+# the CPU machinery: only mtpflow.backends (the seam) and the kernels themselves import it
+CPU_MACHINERY = ("mtpflow.kernels.native_linear", "mtpflow.kernels.certified_head", "mtpflow.kernels.openmp",
+                 "mtpflow.backends.native_cpu")
+# what the kernels and the host-measurement cache may import of mtpflow: nothing above them
+LEAVES = {"mtpflow.kernels": ("mtpflow.kernels", "mtpflow.errors", "mtpflow.host"), "mtpflow.host": ("mtpflow.errors",)}
+
+
+def import_graph() -> dict[str, set[str]]:
+    """{module: the mtpflow modules it imports}, imports inside functions included (those under
+    ``if __name__ == "__main__":`` run only as a script and are left out)."""
+    import ast
+
+    root = Path(mtpflow.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        script = [n for n in tree.body if isinstance(n, ast.If) and "__main__" in ast.unparse(n.test)]
+        skipped = {id(n) for block in script for n in ast.walk(block)}
+        deps = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target.startswith("mtpflow") and target != name:
+                    deps.add(target)
+        graph[name] = deps
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_module_imports_itself_back_through_others():
+    assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_sees_imports_inside_functions():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    graph = import_graph()
+    assert "mtpflow.backends" in graph["mtpflow.config"]  # ``validate`` imports it inside the function
+
+
+def test_kernels_and_the_host_cache_import_nothing_above_them():
+    for name, deps in import_graph().items():
+        for leaf, allowed in LEAVES.items():
+            if name == leaf or name.startswith(leaf + "."):
+                assert all(d.startswith(allowed) for d in deps), (name, sorted(deps))
+
+
+def test_only_the_backends_reach_the_cpu_machinery():
+    for name, deps in import_graph().items():
+        if name.startswith(("mtpflow.backends", "mtpflow.kernels")):
+            continue
+        assert not deps & set(CPU_MACHINERY), (name, sorted(deps & set(CPU_MACHINERY)))

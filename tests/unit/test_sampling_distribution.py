@@ -119,7 +119,7 @@ def test_loop_sampling_matches_plain_sampling(speculative):
     """End to end on a tiny 8-token model: speculative sampling (prompt-lookup drafts, or the int8 self-draft's
     deterministic chains through the native forward) vs plain sampling (baseline)."""
     from helpers import make_tiny_tokenizer
-    from mtpflow.kernels import cpu_linear, native_linear
+    from mtpflow.kernels import native_linear
     from mtpflow.model import LoadedModel
 
     if speculative == "int8_draft" and not native_linear.available():
@@ -135,10 +135,8 @@ def test_loop_sampling_matches_plain_sampling(speculative):
     for strategy in ("baseline", speculative):
         # costs=null / cost_aware=false: drafts every step (the cost model would rightly skip drafting on this toy)
         extra = {"baseline": [], "sampling": ["strategy.propose.min_ngram=1", "strategy.propose.costs=null"],
-                 "int8_draft": ["strategy.propose.cost_aware=false", "model.cpu_linear=packed"]}[strategy]
+                 "int8_draft": ["strategy.propose.cost_aware=false", "model.backend=native_cpu"]}[strategy]
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=4", "temperature=1.0", *extra)
-        if strategy == "int8_draft":
-            cpu_linear.apply_plans(model, ("native",) * len(cpu_linear.ROW_BUCKETS))
         counts = Counter()
         drafted = 0
         for seed in range(n):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from helpers import OracleTreeProposer, hf_greedy, make_pipeline
-from mtpflow.target import tree_attention_mask
+from mtpflow.backends.hf import tree_attention_mask
 from mtpflow.types import Draft
 
 

@@ -79,10 +79,10 @@ def test_validation():
 
 
 def test_native_rows_keep_windowed_decoding_as_it_was(monkeypatch):
-    """After evictions (kept keys re-rotated, later positions shifted) the native verify forward decodes what the
-    forward in Python decodes."""
-    from mtpflow import forward as lean
-    from mtpflow.kernels import cpu_linear, native_linear
+    """After evictions (kept keys re-rotated, later positions shifted) the native_cpu backend's verify forwards
+    (mtpflow_llama_rows) decode what the hf backend decodes."""
+    from mtpflow.backends import native_cpu
+    from mtpflow.kernels import native_linear
 
     if not native_linear.available():
         pytest.skip("the native kernel cannot be built here")
@@ -90,13 +90,13 @@ def test_native_rows_keep_windowed_decoding_as_it_was(monkeypatch):
     model = make_tiny_model(len(tok), seed=2)
     model.config.max_position_embeddings = 64
     loaded = LoadedModel(model, tok, "tiny-llama-ctx64-native", torch.device("cpu"), torch.float32, 64, (0,))
-    ran = count_runs(monkeypatch, lean, "native_rows")
+    ran = count_runs(monkeypatch, native_cpu._RowSpec, "run_groups")
     outputs = []
-    for native in ("1", "0"):
-        monkeypatch.setenv("MTPFLOW_NATIVE_ROW", native)
-        pipe = make_pipeline(loaded, "pld", "max_new_tokens=120", "trace=off", "model.cpu_linear=packed", WINDOW)
-        cpu_linear.apply_plans(model, ("native",) * len(cpu_linear.ROW_BUCKETS))
+    for backend in ("native_cpu", "hf"):
+        ran.clear()
+        pipe = make_pipeline(loaded, "pld", "max_new_tokens=120", "trace=off", f"model.backend={backend}", WINDOW)
         result = pipe(prompt_ids=list(range(1, 21)))
         assert result.stats["window_evictions"] >= 2
+        assert (len(ran) == result.stats["verify_forwards"]) if backend == "native_cpu" else not ran
         outputs.append(result.token_ids)
-    assert ran and outputs[0] == outputs[1]  # it ran (with the switch on) and changed nothing
+    assert outputs[0] == outputs[1]  # the rows ran every verify and changed nothing

@@ -1,0 +1,77 @@
+"""The one interface between the decode loop and the target model's forwards.
+
+The loop decides *what* to verify; a backend decides *how* the target computes it. The engine picks one backend
+per engine (``mtpflow.backends.create``) and owns the KV pool; every target forward goes through these calls:
+
+- ``prefill(targets, prompts, prefix_cache)``: new sequences' prompts into their KV slots (packed where the
+  backend can), with the hidden-state taps their strategies need;
+- ``verify(targets, roots, drafts, root_positions)``: each sequence's root plus its chain or tree over its slot,
+  in ONE forward: logits rows (for a sequence that reads only the argmax, a backend may return logits whose
+  argmax is exact and the rest bounded: ``Verification.logits``);
+- ``self_draft(target, root, position, steps)``: greedy tokens from a cheaper copy of the target itself, or
+  None where the backend has none;
+- ``describe()``: what computes the forwards, the key of every cost measurement.
+
+A ``Target`` (``mtpflow.target``) is one sequence's slot in the pool; the backend reads and advances its length.
+A backend never changes the user's model: copies it needs (fused, packed, int8) are its own.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from mtpflow.kv_cache import KVPool
+
+
+class Backend:
+    """What every backend provides; ``mtpflow.backends.hf.HFBackend`` is the reference implementation."""
+
+    name = "base"
+
+    def __init__(self, model):
+        self.model = model
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+
+    def prefill(self, targets: list, prompts: list[torch.Tensor], prefix_cache=None,
+                starts: list[int] | None = None) -> list[tuple]:
+        """Prefill new sequences: ``(logits [1, vocab] of the last row, hidden taps [len, ...] or None)`` each;
+        ``starts[i]``: the position of ``prompts[i]``'s first token (entries before it are in the slot already)."""
+        raise NotImplementedError
+
+    def verify(self, targets: list, roots: list[int], drafts: list, root_positions: list[int]) -> list:
+        """ONE forward over every target's root and draft: a ``Verification`` per target."""
+        raise NotImplementedError
+
+    def self_draft(self, target, root: int, position: int, steps: int) -> list[int] | None:
+        """``steps`` greedy tokens after ``root`` (at rope ``position``) from a cheaper copy of the target over
+        the target's own slot, or None where this backend has no self-draft."""
+        return None
+
+    # entries a sequence's cache may hold, where the backend bounds it below the model's context (None: no bound)
+    context_limit: int | None = None
+
+    def make_pool(self, max_slots: int):
+        """The engine's KV pool: grows with the longest sequence by default."""
+        return KVPool(self.model, max_slots)
+
+    def takes_argmax_only(self) -> bool:
+        """Whether verifies of sequences that read only each row's argmax run a cheaper exact-argmax head."""
+        return False
+
+    def describe(self) -> str:
+        """What computes the forwards (backend, device, dtype, kernel version): the key of cost measurements."""
+        return f"{self.name} {self.device} {str(self.dtype).replace('torch.', '')}"
+
+    @contextlib.contextmanager
+    def running(self):
+        """Held by the thread that decodes, around all its forwards."""
+        yield
+
+    def thread_idle(self) -> None:
+        """The calling thread is about to wait or go idle (a backend may release what the thread holds)."""
+
+    def stats(self) -> dict:
+        """Figures for a run's stats (memory the backend holds, ...)."""
+        return {"backend": self.name}

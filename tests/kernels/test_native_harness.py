@@ -1,0 +1,427 @@
+"""Every native entry point (small_gemm.c) against its pure-torch reference (mtpflow.kernels.native_reference) over
+many shapes, for every build this CPU can run (native_linear.runnable_isas, plus the -march=native build the
+package uses), in the manner of llama.cpp's test-backend-ops; the versioned struct of mtpflow_llama_rows (a build
+of another ABI is refused, a struct of another version or size is answered with an error code); and a subset of
+the same checks under AddressSanitizer + UBSan, in a subprocess.
+
+The products are checked against a float64 reference within a proven bound: however a kernel orders the float32
+sum of k products (vector lanes, blocks, fused multiply-adds), each output is within gamma(k + 2) times
+sum_i |x_i w_i| (+ |b|) of the exact value (Higham's bound for a sum of k rounded products, two more roundings
+for the int8 scale and the bias; gamma(n) = n u / (1 - n u), u = 2^-24). A wrong index, a lost tail or a
+misread bias moves an output by about one term, |x_i w_i| ~ 1, far outside it for these sizes."""
+from __future__ import annotations
+
+import ctypes
+import os
+import random
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernel_cases import tree_allowed
+from mtpflow.errors import UserError
+from mtpflow.kernels import native_linear, native_reference
+from mtpflow.kernels.native_reference import LlamaLayerWeights
+
+CC = native_linear.compiler()
+needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the native kernels")
+BUILDS = (*native_linear.runnable_isas(), "native")  # "native": native_linear.FLAGS, what library() builds
+
+ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33)
+# (outputs n, inputs k): n below, at and past the 4-row blocks and the 64-wide panels; k below, at and past the
+# 8- and 16-float vectors, odd
+SHAPES = ((1, 1), (3, 5), (4, 8), (5, 17), (16, 16), (64, 64), (65, 33), (130, 100), (200, 257))
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """{build name: loaded library} for BUILDS, each compiled once (two at a time) into a temporary folder."""
+    if CC is None:
+        return {}
+    folder = tmp_path_factory.mktemp("native-builds")
+
+    def compile_one(name: str):
+        out = folder / f"{name}.so"
+        done = (native_linear.build(CC, out) if name == "native" else native_linear.build_variant(name, out, CC))
+        return name, (native_linear.load(out) if done else None)
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(pool.map(compile_one, BUILDS))
+
+
+def _lib(builds, name):
+    lib = builds.get(name)
+    if lib is None:
+        pytest.skip(f"the {name} build does not compile here")
+    return lib
+
+
+# ----- the products ------------------------------------------------------------------------------------------
+
+def product_bound(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, roundings: int) -> torch.Tensor:
+    """gamma(roundings) * (|x| @ |w|^T + |b|) in float64: the largest error of any float32 evaluation order."""
+    u = 2.0 ** -24
+    gamma = roundings * u / (1 - roundings * u)
+    magnitude = x.double().abs() @ w.double().abs().T
+    return gamma * (magnitude + (b.double().abs() if b is not None else 0.0)) + 1e-30
+
+
+def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, case: str) -> None:
+    excess = (got.double() - ref).abs() - bound
+    assert got.dtype == torch.float32 and got.shape == ref.shape, case
+    assert bool((excess <= 0).all()), f"{case}: off by {float(excess.max()):.3g} past the bound"
+
+
+def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=(2, 7, 17, 33), seed=0) -> int:
+    """small_gemm, panel_gemm and small_gemm_q8 against their references, on every thread count for
+    ``threaded_rows`` and on the first for the other row counts (the threads split the weight rows or panels,
+    whatever the row count; on a busy 2-core host every 2-thread region can wait for a core); returns the number
+    of calls checked."""
+    generator = torch.Generator().manual_seed(seed)
+    calls = 0
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=generator)
+        panels = native_linear.pack_panels(w)
+        assert torch.equal(native_reference.unpack_panels(panels, n), w)  # the panels hold the weight
+        q, scale = native_linear.quantize_int8(w)
+        deq = q.double() * scale.double()[:, None]
+        for m in rows:
+            x = torch.randn(m, k, generator=generator)
+            for b in (None, torch.randn(n, generator=generator)):
+                b_ptr = None if b is None else b.data_ptr()
+                exact = native_reference.small_gemm_reference(x.double(), w.double(), None if b is None else b.double())
+                bound = product_bound(x, w, b, k + 1)
+                exact_q = native_reference.small_gemm_q8_reference(x.double(), q, scale.double(),
+                                                                   None if b is None else b.double())
+                bound_q = product_bound(x, deq, b, k + 3)
+                panel_exact = native_reference.panel_gemm_reference(x.double(), panels.double(), n,
+                                                                    None if b is None else b.double())
+                for t in (threads if m in threaded_rows else threads[:1]):
+                    case = f"m={m} n={n} k={k} bias={b is not None} threads={t}"
+                    y = torch.empty(m, n)
+                    lib.mtpflow_small_gemm(x.data_ptr(), w.data_ptr(), b_ptr, y.data_ptr(), m, n, k, t)
+                    _within(y, exact, bound, "small_gemm " + case)
+                    y = torch.empty(m, n)
+                    lib.mtpflow_panel_gemm(x.data_ptr(), panels.data_ptr(), b_ptr, y.data_ptr(), m, n, k, t)
+                    _within(y, panel_exact, bound, "panel_gemm " + case)
+                    y = torch.empty(m, n)
+                    lib.mtpflow_small_gemm_q8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), b_ptr, y.data_ptr(), m,
+                                              n, k, t)
+                    _within(y, exact_q, bound_q, "small_gemm_q8 " + case)
+                    calls += 3
+    return calls
+
+
+@needs_cc
+@pytest.mark.parametrize("build", BUILDS)
+def test_products_match_their_references(builds, build):
+    lib = _lib(builds, build)
+    expected = {"avx512": 16, "avx2": 8, "generic": 8}.get(build)  # "native": whatever this CPU has
+    if expected is not None:  # the build really took its vector width (__AVX512F__ or not)
+        assert lib.mtpflow_vector_width() == expected
+    assert check_products(lib) == len(SHAPES) * (len(ROWS) + 4) * 2 * 3
+
+
+# ----- mtpflow_llama_rows ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowsCase:
+    """A decoder stack (L layers, hidden H, nh query heads over nkv key/value heads of size d, intermediate I) and
+    the sequences verified in one call: (cached prefix, "chain" or "tree", new rows) each."""
+    L: int
+    H: int
+    nh: int
+    nkv: int
+    d: int
+    I: int
+    sequences: tuple[tuple[int, str, int], ...]
+
+
+ROWS_CASES = (
+    RowsCase(1, 32, 2, 2, 16, 40, ((0, "chain", 1),)),  # one plain step over an empty cache
+    RowsCase(2, 48, 6, 2, 8, 37, ((5, "chain", 4), (37, "tree", 6))),  # GQA, head_dim 8, I past the vectors
+    RowsCase(3, 64, 4, 1, 16, 64, ((3, "chain", 1), (20, "tree", 9), (0, "chain", 3))),  # one kv head, 3 sequences
+    RowsCase(2, 128, 2, 1, 64, 96, ((150, "chain", 9), (7, "tree", 8))),  # head_dim 64; attention on threads
+)
+
+
+def _parents(kind: str, n: int, rng: random.Random) -> list[int]:
+    """Node 0 the root (the committed token), then a chain or a random tree under it."""
+    return [-1] + [i - 1 if kind == "chain" else rng.randint(0, i - 1) for i in range(1, n)]
+
+
+def _pointers(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+class RowsInputs:
+    """One call's inputs, float32 as the kernel reads them, built from a seed; ``run`` calls a build, ``reference``
+    the float64 reference (over the dequantized weights where ``int8``)."""
+
+    def __init__(self, case: RowsCase, seed: int):
+        rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+        L, H, nh, nkv, d, I = case.L, case.H, case.nh, case.nkv, case.d, case.I
+        self.case, self.eps, self.scale = case, 1e-5, d ** -0.5
+
+        def randn(*shape, std=1.0):
+            return torch.randn(*shape, generator=g) * std
+
+        # weights scaled so every activation stays of order one through the layers
+        self.layers = [LlamaLayerWeights(ln1=1 + randn(H, std=0.1), wqkv=randn((nh + 2 * nkv) * d, H, std=H ** -0.5),
+                                         wo=randn(H, nh * d, std=(nh * d) ** -0.5), ln2=1 + randn(H, std=0.1),
+                                         wgu=randn(2 * I, H, std=H ** -0.5), wd=randn(H, I, std=I ** -0.5))
+                       for _ in range(L)]
+        self.norm = 1 + randn(H, std=0.1)
+        # the sequences in shuffled slots, one slot more that no row touches
+        slots = list(range(len(case.sequences) + 1))
+        rng.shuffle(slots)
+        self.capacity = max(p + n for p, _, n in case.sequences) + 3
+        slot, wpos, prefix, first, count, positions, masks = [], [], [], [], [], [], []
+        for (p, kind, n), s in zip(case.sequences, slots):
+            parents = _parents(kind, n, rng)
+            allowed = tree_allowed(parents)
+            depth = [0] * n
+            for i in range(1, n):
+                depth[i] = depth[parents[i]] + 1
+            start = len(slot)
+            for j in range(n):  # row first + j writes its entry at prefix + j (where the kernel looks for it)
+                slot.append(s), wpos.append(p + j), prefix.append(p), first.append(start), count.append(n)
+                positions.append(p + depth[j])
+                masks.append(allowed[j])
+        self.slot, self.wpos, self.prefix, self.first, self.count = slot, wpos, prefix, first, count
+        m, qmax = len(slot), max(count)
+        self.allowed = torch.zeros(m, qmax, dtype=torch.uint8)
+        for r, mask in enumerate(masks):
+            self.allowed[r, : len(mask)] = mask.to(torch.uint8)
+        # each slot's cached prefix random, everything past it NaN: a read of an entry the call neither had nor
+        # wrote poisons the outputs
+        cached = dict((s, p) for (p, _, _), s in zip(case.sequences, slots))
+        cached[slots[-1]] = self.capacity // 2
+        self.keys, self.values = [], []
+        for _ in range(L):
+            for pool in (self.keys, self.values):
+                buffer = torch.full((len(slots), nkv, self.capacity, d), float("nan"))
+                for s, p in cached.items():
+                    buffer[s, :, :p] = randn(nkv, p, d)
+                pool.append(buffer)
+        self.written = torch.zeros(len(slots), self.capacity, dtype=torch.bool)
+        self.written[torch.tensor(slot), torch.tensor(wpos)] = True
+        inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+        angles = torch.tensor(positions, dtype=torch.float64)[:, None] * inv_freq[None]
+        emb = torch.cat((angles, angles), dim=-1)  # Llama's layout: the same frequencies in both halves
+        self.cos, self.sin = emb.cos().float().contiguous(), emb.sin().float().contiguous()
+        self.h = randn(m, H)
+        self.int8 = [[native_linear.quantize_int8(getattr(layer, name)) for layer in self.layers]
+                     for name in ("wqkv", "wo", "wgu", "wd")]
+
+    def run(self, lib, threads: int, panels: bool = False, int8: bool = False):
+        """(h out, normed, keys, values, the call's return code) from one call of ``lib``'s mtpflow_llama_rows."""
+        c = self.case
+        h, normed = self.h.clone(), torch.empty_like(self.h)
+        keys, values = [k.clone() for k in self.keys], [v.clone() for v in self.values]
+        weights = [_pointers([getattr(layer, name) for layer in self.layers])
+                   for name in ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")]
+        held = []  # what the pointer arrays point into, alive until the call returns
+        panel_arrays = (None,) * 4
+        if panels and not int8:
+            held = [[native_linear.pack_panels(getattr(layer, name)) for layer in self.layers]
+                    for name in ("wqkv", "wo", "wgu", "wd")]
+            panel_arrays = tuple(_pointers(ps) for ps in held)
+        int8_arrays = (None,) * 8
+        if int8:
+            int8_arrays = tuple(p for copies in self.int8
+                                for p in (_pointers([q for q, _ in copies]), _pointers([s for _, s in copies])))
+        ints = [torch.tensor(v, dtype=torch.int32) for v in (self.slot, self.wpos, self.prefix, self.first,
+                                                             self.count)]
+        code = native_linear.llama_rows(
+            lib, h.data_ptr(), normed.data_ptr(), len(self.slot), c.L, c.H, c.nh, c.nkv, c.d, c.I, *weights,
+            *panel_arrays, self.norm.data_ptr(), self.eps, _pointers(keys), _pointers(values), self.capacity,
+            *[t.data_ptr() for t in ints], self.allowed.data_ptr(), self.allowed.shape[1], self.cos.data_ptr(),
+            self.sin.data_ptr(), self.scale, threads, *int8_arrays)
+        return h, normed, keys, values, code
+
+    def reference(self, int8: bool = False):
+        layers = self.layers
+        if int8:
+            dequantized = [[q.double() * s.double()[:, None] for q, s in copies] for copies in self.int8]
+            layers = [LlamaLayerWeights(layer.ln1, qkv, o, layer.ln2, gu, down)
+                      for layer, qkv, o, gu, down in zip(self.layers, *dequantized)]
+        c = self.case
+        return native_reference.llama_rows_reference(
+            self.h.double(), layers, self.norm, self.eps, self.keys, self.values, self.slot, self.wpos, self.prefix,
+            self.count, self.allowed, self.cos, self.sin, self.scale, c.nh, c.nkv, c.d)
+
+
+# float32 kernel against the float64 reference: each product's float32 sum of at most a few hundred terms is off by
+# about sqrt(k) u relative (u = 6e-8), the exponentials (vexp, expf) and rsqrt by a few ulp, and the RMSNorms put
+# every layer's input back at unit scale, so after three layers the outputs (of order one) are within ~1e-5; a
+# wrong mask, rotary convention, head mapping or KV position moves them by 1e-2 or more
+ROWS_TOLERANCE = dict(rtol=2e-5, atol=2e-5)
+
+
+def check_rows(lib, case: RowsCase, seed: int, threads=(1, 2), modes=("rows", "panels", "int8")) -> None:
+    """mtpflow_llama_rows of ``lib`` against the reference for ``case``: the outputs, the entries written into the
+    pool, the entries not written left bit for bit as they were; and the same numbers on every thread count."""
+    inputs = RowsInputs(case, seed)
+    references = {}
+    for mode in modes:
+        int8 = mode == "int8"
+        if int8 not in references:
+            references[int8] = inputs.reference(int8)
+        h_ref, normed_ref, keys_ref, values_ref = references[int8]
+        outputs = []
+        for t in threads:
+            label = f"{case} seed={seed} {mode} threads={t}"
+            h, normed, keys, values, code = inputs.run(lib, t, panels=mode == "panels", int8=int8)
+            assert code == 0, label
+            torch.testing.assert_close(h.double(), h_ref, **ROWS_TOLERANCE, msg=lambda m: f"h {label}: {m}")
+            torch.testing.assert_close(normed.double(), normed_ref, **ROWS_TOLERANCE,
+                                       msg=lambda m: f"normed {label}: {m}")
+            for name, got, ref, before in (("keys", keys, keys_ref, inputs.keys),
+                                           ("values", values, values_ref, inputs.values)):
+                for layer, (g, r, b) in enumerate(zip(got, ref, before)):
+                    written = inputs.written[:, None, :, None].expand_as(g)
+                    torch.testing.assert_close(g[written].double(), r[written], **ROWS_TOLERANCE,
+                                               msg=lambda m: f"{name}[{layer}] {label}: {m}")
+                    assert torch.equal(g[~written].nan_to_num(7.0), b[~written].nan_to_num(7.0)), \
+                        f"{name}[{layer}] {label}: an entry no row writes changed"
+            outputs.append((h, normed, keys, values))
+        for other in outputs[1:]:  # each row's arithmetic does not depend on how the rows split over the threads
+            assert all(torch.equal(a, b) for a, b in zip(outputs[0][:2], other[:2])), f"{case} {mode}"
+
+
+@needs_cc
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("case", range(len(ROWS_CASES)))
+def test_llama_rows_match_the_reference(builds, build, case):
+    check_rows(_lib(builds, build), ROWS_CASES[case], seed=case)
+
+
+# ----- the versioned struct ----------------------------------------------------------------------------------
+
+def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
+    """Every member of RowsArgs at the offset C gives it (a struct of the same size with two members swapped
+    would pass the size check)."""
+    if CC is None:
+        pytest.skip("no C compiler")
+    names = [name for name, _ in native_linear.RowsArgs._fields_]
+    helper = tmp_path / "offsets.c"
+    helper.write_text(f'#include <stddef.h>\n#include "{native_linear.SOURCE}"\n'
+                      "long offsets[] = {" + ", ".join(f"offsetof(struct mtpflow_rows_args, {n})" for n in names)
+                      + "};\n")
+    out = tmp_path / "offsets.so"
+    assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), helper)
+    offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
+    assert offsets == [getattr(native_linear.RowsArgs, n).offset for n in names]
+    assert native_linear.ROWS_VALUES == 43  # what the caller passes after the library
+
+
+@needs_cc
+@pytest.mark.parametrize("version,size_delta", [(native_linear.ROWS_ABI + 1, 0), (0, 0),
+                                                (native_linear.ROWS_ABI, -8), (native_linear.ROWS_ABI, 8)])
+def test_a_struct_of_another_version_or_size_is_answered_with_an_error_code(builds, version, size_delta):
+    """Every pointer NULL and M large: a function that read past version and size would crash."""
+    lib = _lib(builds, "native")
+    args = native_linear.RowsArgs(version, ctypes.sizeof(native_linear.RowsArgs) + size_delta)
+    args.M, args.L, args.H = 1000, 30, 576
+    assert lib.mtpflow_llama_rows(ctypes.byref(args)) == native_linear.ROWS_BAD_ABI == -2
+
+
+def _build_edited(tmp_path, name: str, old: str, new: str) -> Path:
+    source = native_linear.SOURCE.read_text()
+    assert source.count(old) == 1, old
+    edited = tmp_path / f"{name}.c"
+    edited.write_text(source.replace(old, new))
+    out = tmp_path / f"{name}.so"
+    assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), edited)
+    return out
+
+
+@needs_cc
+def test_a_build_of_another_abi_is_refused_with_one_line(tmp_path, monkeypatch):
+    size = ctypes.sizeof(native_linear.RowsArgs)
+    foreign = _build_edited(tmp_path, "v999", "#define MTPFLOW_ROWS_ABI 1\n", "#define MTPFLOW_ROWS_ABI 999\n")
+    grown = _build_edited(tmp_path, "grown", "    int threads;\n", "    int threads;\n    double extra;\n")
+    bare = tmp_path / "bare.c"
+    bare.write_text("int mtpflow_vector_width(void) { return 8; }\n")
+    assert native_linear.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), bare)
+    for path, says in ((foreign, f"has ABI v999 ({size} bytes), this mtpflow expects v1 ({size} bytes)"),
+                       (grown, f"has ABI v1 ({size + 8} bytes), this mtpflow expects v1 ({size} bytes)"),
+                       (tmp_path / "bare.so", "has no ABI version")):
+        with pytest.raises(UserError) as refused:
+            native_linear.load(path)
+        message = str(refused.value)
+        assert "\n" not in message and says in message and message.endswith("delete it to rebuild"), message
+        assert message.startswith(f"native kernel {path} ")
+    # the cached build of this source's path holding a foreign library: library() says so rather than carrying
+    # on without the kernels
+    monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path / "cache"))
+    native_linear.library.cache_clear()
+    try:
+        cached = native_linear.build_path(CC)
+        cached.parent.mkdir(parents=True)
+        cached.write_bytes(foreign.read_bytes())
+        with pytest.raises(UserError, match="has ABI v999"):
+            native_linear.library()
+    finally:
+        native_linear.library.cache_clear()
+
+
+# ----- under AddressSanitizer + UBSan ------------------------------------------------------------------------
+
+SANITIZE = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+            "-fopenmp", "-shared", "-fPIC")
+
+
+def sanitizer_subset(paths: list[str]) -> None:
+    """What the sanitized subprocess runs: a few shapes of every entry point on each build in ``paths``."""
+    torch.set_num_threads(2)
+    for path in paths:
+        lib = native_linear.load(Path(path))
+        check_products(lib, rows=(1, 2, 3, 7, 17), shapes=((1, 1), (5, 17), (65, 33), (130, 100)))
+        for seed, case in enumerate(ROWS_CASES[1:3]):
+            check_rows(lib, case, seed)
+        print(f"checked {path} (vector width {lib.mtpflow_vector_width()})", flush=True)
+
+
+def _runtime(name: str) -> str | None:
+    try:
+        found = subprocess.run([CC, f"-print-file-name={name}"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = found.strip()
+    return found if os.path.isabs(found) and os.path.exists(found) else None
+
+
+def test_every_entry_point_under_address_and_undefined_behaviour_sanitizers(tmp_path):
+    """The generic build (no -march: the flags below as they are) and the widest one this CPU runs, with ASan and
+    UBSan, through a few shapes of every entry point in a python that preloads ASan's runtime (it must come first
+    in the process); any report fails (UBSan does not recover, ASan stops at the first error)."""
+    if CC is None:
+        pytest.skip("no C compiler to build the sanitized kernels")
+    asan = _runtime("libasan.so")
+    if asan is None:
+        pytest.skip(f"{CC} has no AddressSanitizer runtime (libasan.so; Debian: apt-get install libasan8)")
+    widest = [isa for isa in ("avx512", "avx2") if isa in native_linear.runnable_isas()][:1]
+    flag_sets = {"sanitized-generic": SANITIZE,
+                 **{f"sanitized-{isa}": (*SANITIZE, *native_linear.ISA_FLAGS[isa]) for isa in widest}}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        built = dict(zip(flag_sets, pool.map(lambda item: native_linear.build(CC, tmp_path / f"{item[0]}.so", item[1]),
+                                             flag_sets.items())))
+    assert built["sanitized-generic"], f"{CC} cannot build with {' '.join(SANITIZE)}"
+    paths = [str(tmp_path / f"{name}.so") for name, ok in built.items() if ok]
+    here = Path(__file__).parent
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; import test_native_harness as harness; "
+            "harness.sanitizer_subset(sys.argv[3:])")
+    env = dict(os.environ, LD_PRELOAD=asan, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1")
+    done = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent), *paths], env=env,
+                          capture_output=True, text=True, timeout=600)
+    report = done.stdout + done.stderr
+    assert done.returncode == 0, report[-6000:]
+    assert "Sanitizer" not in report and "runtime error" not in report, report[-6000:]
+    assert report.count("checked ") == len(paths), report
