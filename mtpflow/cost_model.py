@@ -286,8 +286,8 @@ class ProbeSchedule:
 
 
 # ----- the batch: one verify forward for every running sequence --------------------------------------------------
-# measured; sizes between are interpolated (the first batched step pays a one-time warm-up, so each measured size
-# costs; host figure: docs/bench/code-figures.md#cost_model-batch_sizes)
+# measured; sizes between are interpolated (the first batched step pays a one-time warm-up; host figure:
+# docs/bench/code-figures.md#cost_model-batch_sizes)
 BATCH_SIZES = (1, 4, 16)
 BATCH_ROWS = (1, 3, 9, 17)  # rows per sequence in a forward: the root plus 0, 2, 8, 16 draft nodes
 
