@@ -137,3 +137,14 @@ def test_native_cpu_for_gemma_3_is_one_line_exit_2(tmp_path):
     lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and "model.backend=native_cpu does not apply here" in lines[0], out.stderr
     assert "Gemma3ForCausalLM" in lines[0]
+
+
+@needs_native
+def test_native_cpu_on_another_device_is_one_line():
+    """The CPU backend asked for a model that lives elsewhere (CUDA on a GPU machine; ``meta`` here stands in:
+    the check reads only where the weights live)."""
+    model = make_tiny_model(64, seed=1).to("meta")
+    with pytest.raises(UserError, match="model.backend=native_cpu does not apply here: it runs on the CPU and the "
+                                        "model is on meta"):
+        backends.create(model, "native_cpu")
+    assert backends.create(model, "auto").name == "hf"
