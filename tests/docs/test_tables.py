@@ -12,7 +12,7 @@ import pytest
 from mtpflow.tools import tables
 
 ROOT = Path(__file__).resolve().parents[2]
-RUN = "docs/bench/all20_dec04_xeon"
+RUN = "docs/bench/all20_dec04_zen4"
 
 
 def test_every_marked_table_matches_its_run():
@@ -28,7 +28,7 @@ def test_the_readme_shows_one_run_on_one_host():
     markers = tables.MARKER.findall(section)
     assert len(markers) == 1
     assert f"source={RUN}_summary.csv manifest={RUN}_manifest.json" in markers[0][1]
-    assert "Host: Intel Xeon (2 cores, AVX-512 + AMX); 2026-12-04; commit 43bc7ab" in section
+    assert "Host: AMD EPYC (2 cores, AVX-512 + VNNI); 2026-12-04; commit c45bf50" in section
 
 
 def copy_checkout(tmp_path: Path) -> Path:
@@ -46,7 +46,7 @@ def copy_checkout(tmp_path: Path) -> Path:
 def test_regenerated_copy_passes_and_an_edited_cell_fails(tmp_path, capsys):
     root = copy_checkout(tmp_path)
     readme = root / "README.md"
-    readme.write_text(readme.read_text(encoding="utf-8").replace("| 2.65x |", "| 2.66x |"), encoding="utf-8")
+    readme.write_text(readme.read_text(encoding="utf-8").replace("| 4.32x |", "| 4.33x |"), encoding="utf-8")
     assert tables.main(["--check", "--root", str(root)]) == 1
     assert "stale: README.md: table:strategies" in capsys.readouterr().out
     assert tables.main(["--root", str(root)]) == 0  # regenerate into the copy: the check passes again
@@ -55,7 +55,7 @@ def test_regenerated_copy_passes_and_an_edited_cell_fails(tmp_path, capsys):
     # one cell of the per-class table, then a row dropped
     page = root / "docs" / "strategies.md"
     text = page.read_text(encoding="utf-8")
-    page.write_text(text.replace("| 2.81x / 6.21 |", "| 2.81x / 6.12 |"), encoding="utf-8")
+    page.write_text(text.replace("| 4.66x / 6.08 |", "| 4.66x / 6.18 |"), encoding="utf-8")
     assert tables.regenerate(root, write=False) == [f"docs/strategies.md: table:classes from {RUN}_summary.csv"]
     page.write_text("\n".join(line for line in text.splitlines() if not line.startswith("| `eagle3` |")) + "\n",
                     encoding="utf-8")
@@ -65,8 +65,8 @@ def test_regenerated_copy_passes_and_an_edited_cell_fails(tmp_path, capsys):
 def test_a_csv_edited_after_its_run_is_refused(tmp_path, capsys):
     root = copy_checkout(tmp_path)
     csv = root / f"{RUN}_summary.csv"
-    csv.write_text(csv.read_text(encoding="utf-8").replace("int8_draft,overall,32,2566,75.73,2.646",
-                                                           "int8_draft,overall,32,2566,75.73,2.746"), encoding="utf-8")
+    csv.write_text(csv.read_text(encoding="utf-8").replace("int8_draft,overall,32,2566,72.31,4.323",
+                                                           "int8_draft,overall,32,2566,72.31,4.423"), encoding="utf-8")
     assert tables.main(["--check", "--root", str(root)]) == 2
     err = capsys.readouterr().err.strip()
     assert err == (f"mtpflow.tools.tables: error: {RUN}_summary.csv is not a file its manifest {RUN}_manifest.json "
