@@ -73,6 +73,15 @@ def make_tiny_model(vocab_size: int, seed: int = 0, layers: int = 2, hidden: int
     return model
 
 
+def save_tiny_model(folder, seed: int = 0):
+    """A tiny Llama and its tokenizer saved as a model folder (``model.name=PATH``, a peer's or a tool's input);
+    returns the folder."""
+    tok = make_tiny_tokenizer()
+    make_tiny_model(len(tok), seed=seed).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def tiny_loaded(seed: int = 0, **kwargs):
     from mtpflow.model import LoadedModel
 

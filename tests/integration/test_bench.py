@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import make_tiny_model, make_tiny_tokenizer
+from helpers import save_tiny_model
 from mtpflow.tools import bench
 from mtpflow.errors import ConfigError, UserError
 
@@ -50,11 +50,7 @@ def test_best_of_repeats_and_summary():
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tok = make_tiny_tokenizer()
-    make_tiny_model(len(tok), seed=2).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=2)
 
 
 def test_decode_bench_end_to_end(tiny_dir, tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from helpers import make_tiny_model, make_tiny_tokenizer
+from helpers import make_tiny_tokenizer, save_tiny_model
 from mtpflow.tools import bench, peers
 
 FAKE_PYTHON = textwrap.dedent("""\
@@ -67,11 +67,7 @@ def fake_python(folder: Path, name: str = "python") -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tok = make_tiny_tokenizer()
-    make_tiny_model(len(tok), seed=2).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=2)
 
 
 @pytest.fixture

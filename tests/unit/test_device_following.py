@@ -13,18 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from test_heads_lossless import one_thread  # noqa: E402,F401 (fixture: tiny-model stages run faster on one thread)
 from test_cuda_strategies import (  # noqa: E402
     CPU_ONLY, PLUGIN_STRATEGIES, check_strategy, sampling_matches_plain_sampling, swept_strategies,
 )
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny-model stages are many small ops: one thread is faster on the shared 2-core CPU."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import make_tiny_model, make_tiny_tokenizer, write_profile
+from helpers import save_tiny_model, write_profile
 from mtpflow import cost_model, host
 from mtpflow.backends import HFBackend
 from mtpflow.errors import UserError
@@ -189,11 +189,7 @@ def test_a_damaged_or_foreign_profile_at_the_default_location_is_measured_again(
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny Llama saved as a model folder (``model.name=PATH``)."""
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tok = make_tiny_tokenizer()
-    make_tiny_model(len(tok), seed=5).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-model"), seed=5)
 
 
 def run_cli(*args, env=None, module="mtpflow"):
