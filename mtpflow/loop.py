@@ -286,11 +286,12 @@ class Sequence:
         target = self.target
         return target.cache, target.cache_len, self.state.next_position - target.position_shift
 
-    def _self_draft(self, steps: int) -> list[int] | None:
+    def _self_draft(self, steps: int, layers: int | None = None) -> list[int] | None:
         """``steps`` greedy tokens after this sequence's root from the backend's self-draft, or None where the
         backend has none."""
         target, state = self.target, self.state
-        return self.backend.self_draft(target, state.root_token, state.next_position - target.position_shift, steps)
+        return self.backend.self_draft(target, state.root_token, state.next_position - target.position_shift, steps,
+                                       layers)
 
     # ----- one step, first half: K, draft, pruning ----------------------------------------------------------
     def plan(self, max_k: int | None = None) -> Draft | None:

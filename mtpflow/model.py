@@ -43,9 +43,9 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     eos_token_ids: tuple[int, ...]
-    # model.quantize=int8: {linear module name: (q int8 [out, in], scale float32 [out])}; the model's own float
-    # weights hold the dequantized values (q * scale), so HF's forward computes the same int8 model
-    int8: dict | None = None
+    # model.quantize=int8: the int8 model's weights (mtpflow.kernels.int8_reference, which defines its numerics);
+    # the model's own decoder and head weights are freed (its HF forward cannot run), the native_cpu backend runs it
+    int8: object | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -171,7 +171,7 @@ def check_quantize(kind) -> str | None:
 def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str = "auto",
                device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None) -> LoadedModel:
     """Load (once per process and argument set) a causal LM and its tokenizer; ``quantize="int8"`` turns its
-    linear weights into int8 (``mtpflow.backends.quantize_int8``)."""
+    model into the int8 model (``mtpflow.backends.quantize_int8``: its float32 decoder and head weights freed)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -192,7 +192,7 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(f"cannot load model {name!r}: {first}") from None
     model.to(dev).eval()
-    int8 = quantize_int8(model) if check_quantize(quantize) else None  # the native_cpu backend's int8 copies
+    int8 = quantize_int8(model) if check_quantize(quantize) else None  # the int8 model; its float weights freed
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:

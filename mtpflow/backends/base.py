@@ -8,8 +8,8 @@ per engine (``mtpflow.backends.create``) and owns the KV pool; every target forw
 - ``verify(targets, roots, drafts, root_positions)``: each sequence's root plus its chain or tree over its slot,
   in ONE forward: logits rows (for a sequence that reads only the argmax, a backend may return logits whose
   argmax is exact and the rest bounded: ``Verification.logits``);
-- ``self_draft(target, root, position, steps)``: greedy tokens from a cheaper copy of the target itself, or
-  None where the backend has none;
+- ``self_draft(target, root, position, steps, layers)``: greedy tokens from a cheaper copy of the target itself
+  (or its first ``layers`` layers), or None where the backend has none;
 - ``describe()``: what computes the forwards, the key of every cost measurement.
 
 A ``Target`` (``mtpflow.target``) is one sequence's slot in the pool; the backend reads and advances its length.
@@ -44,10 +44,15 @@ class Backend:
         """ONE forward over every target's root and draft: a ``Verification`` per target."""
         raise NotImplementedError
 
-    def self_draft(self, target, root: int, position: int, steps: int) -> list[int] | None:
+    def self_draft(self, target, root: int, position: int, steps: int, layers: int | None = None) -> list[int] | None:
         """``steps`` greedy tokens after ``root`` (at rope ``position``) from a cheaper copy of the target over
-        the target's own slot, or None where this backend has no self-draft."""
+        the target's own slot, or None where this backend has no self-draft. ``layers``: from the target's first
+        ``layers`` layers only (where ``drafts_layers``)."""
         return None
+
+    # whether ``self_draft`` takes ``layers``: a backend whose model's own modules cannot run its first layers (the
+    # int8 model) drafts with them itself
+    drafts_layers: bool = False
 
     # entries a sequence's cache may hold, where the backend bounds it below the model's context (None: no bound)
     context_limit: int | None = None

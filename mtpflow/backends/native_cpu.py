@@ -8,8 +8,9 @@ On a CPU at small batch a decode step is bound by reading the weights. Here:
   gate/up weights;
 - greedy sequences whose stages read only each row's argmax get the certified int8 LM head
   (``mtpflow.kernels.certified_head``): the argmax exact at a quarter of the head's bytes;
-- ``self_draft`` drafts with the target's own layers over an int8 copy of their weights (``int8_draft``);
-- a model loaded with ``model.quantize=int8`` runs every product through the int8 kernel.
+- ``self_draft`` drafts with the target's own layers over an int8 copy of their weights (``int8_draft``).
+
+A model loaded with ``model.quantize=int8`` is the int8 model: ``mtpflow.backends.native_int8`` runs it.
 
 The rule that chooses kernels is fixed, not timed per host: native products for every row count where the C
 kernel builds; otherwise the backend does not apply and ``auto`` picks ``hf`` (the per-host plan timings it
@@ -29,7 +30,6 @@ import torch.nn.functional as F
 
 from mtpflow import forward as lean_forward
 from mtpflow.backends.hf import HFBackend, tree_allowed
-from mtpflow.errors import UserError
 from mtpflow.kernels import native_linear, openmp
 from mtpflow.kernels.certified_head import CertifiedHead, applies as certified_applies
 from mtpflow.types import Verification
@@ -37,7 +37,7 @@ from mtpflow.types import Verification
 LLAMA = "transformers.models.llama.modeling_llama"
 
 
-def not_applicable(model, int8: dict | None = None) -> str | None:
+def not_applicable(model) -> str | None:
     """Why this backend cannot run ``model`` (one line), or None where it can."""
     param = next(model.parameters())
     if param.device.type != "cpu":
@@ -66,24 +66,6 @@ def not_applicable(model, int8: dict | None = None) -> str | None:
     except (AttributeError, TypeError):
         ok = False
     return None if ok else "the model's layers are not plain Llama layers (norm, activation, biases or rotary differ)"
-
-
-@torch.no_grad()
-def quantize_int8(model: torch.nn.Module) -> dict:
-    """Weight-only int8 for every linear of a float32 CPU model: symmetric, one scale per output feature
-    (``native_linear.quantize_int8``). The float weights take their dequantized values in place (a tied embedding
-    shares them), so the model as loaded IS the int8 model and ``model.generate`` is its reference; returns
-    {module name: (q, scale)} for the backend's int8 products."""
-    param = next(model.parameters(), None)
-    if param is None or param.device.type != "cpu" or param.dtype != torch.float32:
-        raise UserError("model.quantize=int8 runs float32 models on the CPU (set model.device=cpu, model.dtype=float32)")
-    copies = {}
-    for name, m in model.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            q, scale = native_linear.quantize_int8(m.weight)
-            m.weight.copy_(q.float() * scale[:, None])
-            copies[name] = (q, scale)
-    return copies
 
 
 def _fuse(parts: list[torch.nn.Linear]) -> torch.Tensor:
@@ -143,8 +125,8 @@ class NativeProducts(lean_forward.Products):
         self.backend = backend
 
     def attention_inputs(self, index, attn, x):
-        fused = self.backend.qkv[index] if self.backend.qkv else None
-        if fused is not None and fused.ready():
+        fused = self.backend.qkv[index]
+        if fused.ready():
             return self.backend.linear(fused.weight, x, version=fused.version).split(fused.sizes, dim=-1)
         return tuple(self.backend.module(m, x) for m in (attn.q_proj, attn.k_proj, attn.v_proj))
 
@@ -152,8 +134,8 @@ class NativeProducts(lean_forward.Products):
         return self.backend.module(attn.o_proj, x)
 
     def mlp(self, index, mlp, x):
-        fused = self.backend.gate_up[index] if self.backend.gate_up else None
-        if fused is not None and fused.ready():
+        fused = self.backend.gate_up[index]
+        if fused.ready():
             gate, up = self.backend.linear(fused.weight, x, version=fused.version).split(fused.sizes, dim=-1)
         else:
             gate, up = self.backend.module(mlp.gate_proj, x), self.backend.module(mlp.up_proj, x)
@@ -168,27 +150,21 @@ class NativeCPUBackend(HFBackend):
 
     name = "native_cpu"
 
-    def __init__(self, model, int8: dict | None = None, certified_head: bool = True):
+    def __init__(self, model, certified_head: bool = True):
         super().__init__(model)
         reason = not_applicable(model)
         if reason is not None:
             raise ValueError(reason)  # ``mtpflow.backends.create`` turns it into one line for the user
         self.lib = native_linear.library()
-        # a model loaded with model.quantize=int8: {module: (q int8 [out, in], scale [out])}, every product int8
-        names = dict(model.named_modules())
-        self.int8 = {id(names[n]): copy for n, copy in int8.items()} if int8 else None
         layers = list(model.model.layers[: model.config.num_hidden_layers])
         self.layers = layers
-        if self.int8 is None:  # the int8 products run per part: nothing to fuse
-            self.qkv = [_Fused([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj]) for b in layers]
-            self.gate_up = [_Fused([b.mlp.gate_proj, b.mlp.up_proj]) for b in layers]
-        else:
-            self.qkv = self.gate_up = None
-        self.certified = bool(certified_head) and self.int8 is None
+        self.qkv = [_Fused([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj]) for b in layers]
+        self.gate_up = [_Fused([b.mlp.gate_proj, b.mlp.up_proj]) for b in layers]
+        self.certified = bool(certified_head)
         self.products = NativeProducts(self)
         self._panels: dict[int, tuple] = {}  # weight data_ptr -> (version, panel copy)
         self._head: CertifiedHead | None = None
-        self._rows = _RowSpec(self) if self.int8 is None else None
+        self._rows = _RowSpec(self)
 
     # ----- products -----------------------------------------------------------------------------------------
     def linear(self, weight: torch.Tensor, x: torch.Tensor, bias=None, version=None) -> torch.Tensor:
@@ -199,10 +175,7 @@ class NativeCPUBackend(HFBackend):
         return native_linear.linear(x, weight, bias, panels, self.lib)
 
     def module(self, m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """A linear module's product: int8 where the model was loaded quantized, native for float32 weights."""
-        if self.int8 is not None and id(m) in self.int8:
-            q, scale = self.int8[id(m)]
-            return native_linear.linear_int8(x, q, scale, m.bias, self.lib)
+        """A linear module's product: native for float32 weights."""
         weight = m.weight
         if weight.dtype != torch.float32 or x.dtype != torch.float32 or not weight.is_contiguous():
             return F.linear(x, weight, m.bias)
@@ -236,7 +209,7 @@ class NativeCPUBackend(HFBackend):
         return self.certified
 
     def describe(self) -> str:
-        kind = "int8" if self.int8 is not None else "float32" + (" certified-head" if self.certified else "")
+        kind = "float32" + (" certified-head" if self.certified else "")
         return f"native_cpu {kind} kernel:{native_linear.source_hash()[:10]} vw{self.lib.mtpflow_vector_width()}"
 
     def thread_idle(self) -> None:
@@ -245,14 +218,14 @@ class NativeCPUBackend(HFBackend):
     def stats(self) -> dict:
         held = sum(p.numel() * 4 for _, p in self._panels.values())
         held += self._head.nbytes if self._head is not None else 0
-        held += self._rows.int8_bytes if self._rows is not None else 0
+        held += self._rows.int8_bytes
         return {"backend": self.name, "backend_copies_mb": round(held / 2**20, 1)}
 
     @torch.inference_mode()
     def verify(self, targets, roots, drafts, root_positions):
         t0 = time.perf_counter()
         rows = self._rows
-        if rows is None or any(set(t.taps) - {-1} for t in targets) or not rows.ready():
+        if any(set(t.taps) - {-1} for t in targets) or not rows.ready():
             return super().verify(targets, roots, drafts, root_positions)
         ids, positions, allowed = [], [], []
         for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
@@ -278,14 +251,14 @@ class NativeCPUBackend(HFBackend):
         return results
 
     @torch.inference_mode()
-    def self_draft(self, target, root, position, steps):
+    def self_draft(self, target, root, position, steps, layers=None):
         """``steps`` greedy tokens after ``root`` from the target's own layers with int8 weights
         (``_RowSpec.int8``): one row per token through ``mtpflow_llama_rows`` over the target's slot, whose first
         ``length`` entries (the committed tokens, written by the float32 verify forwards) every row attends to;
         the draft's own entries go after them, where the next verify forward overwrites them. The LM head is the
         certified one (its argmax is the float32 head's over these hidden states)."""
         rows = self._rows
-        if rows is None or not rows.ready():
+        if layers is not None or not rows.ready():
             return None
         one = torch.ones(1, 1, dtype=torch.uint8)
         length, token, drafted = target.cache_len, root, []

@@ -170,6 +170,36 @@ def llama_rows(lib: ctypes.CDLL, *values) -> int:
     return lib.mtpflow_llama_rows(ctypes.byref(args))
 
 
+W8A8_ABI = 1  # MTPFLOW_W8A8_ABI in small_gemm.c, of the struct W8A8Args mirrors: change both together
+
+
+class W8A8Args(ctypes.Structure):
+    """``struct mtpflow_w8a8_args`` of small_gemm.c (the int8 model's rows), member for member: its one mirror."""
+
+    _fields_ = [("version", ctypes.c_int), ("size", ctypes.c_int),
+                ("h", ctypes.c_void_p), ("normed", ctypes.c_void_p), ("taps", ctypes.c_void_p),
+                *[(name, ctypes.c_int) for name in ("M", "L", "H", "nh", "nkv", "d", "I", "kp_h", "kp_q", "kp_i")],
+                *[(name, ctypes.c_void_p) for name in ("ln1", "ln2", "wqkv", "wo", "wgu", "wd", "sqkv", "so", "sgu",
+                                                        "sd", "zqkv", "zo", "zgu", "zd", "norm_w")],
+                ("eps", ctypes.c_float),
+                ("kc", ctypes.c_void_p), ("vc", ctypes.c_void_p),
+                ("cap", ctypes.c_long),
+                *[(name, ctypes.c_void_p) for name in ("slot", "wpos", "prefix", "count", "allowed")],
+                ("qmax", ctypes.c_int),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p),
+                ("scale", ctypes.c_float), ("threads", ctypes.c_int),
+                ("head_q", ctypes.c_void_p), ("head_s", ctypes.c_void_p), ("head_z", ctypes.c_void_p),
+                ("vocab", ctypes.c_int), ("head_from", ctypes.c_int), ("logits", ctypes.c_void_p)]
+
+
+def w8a8_rows(lib: ctypes.CDLL, **members) -> int:
+    """``mtpflow_w8a8_rows`` over ``members`` (every member of ``W8A8Args`` but version and size, by name; ctypes
+    pointer arrays are passed by address). Returns 0, or -1 when out of memory."""
+    given = {k: ctypes.addressof(v) if isinstance(v, ctypes.Array) else v for k, v in members.items()}
+    args = W8A8Args(version=W8A8_ABI, size=ctypes.sizeof(W8A8Args), **given)
+    return lib.mtpflow_w8a8_rows(ctypes.byref(args))
+
+
 def load(path: Path) -> ctypes.CDLL:
     """Open a build of SOURCE and declare its functions' signatures. A build of another ``mtpflow_llama_rows``
     ABI (version or struct size), or one without the functions, is refused with a one-line UserError; one that
@@ -186,6 +216,14 @@ def load(path: Path) -> ctypes.CDLL:
     if (abi, size) != (ROWS_ABI, ctypes.sizeof(RowsArgs)):
         raise UserError(f"native kernel {path} has ABI v{abi} ({size} bytes), this mtpflow expects {mine}: "
                         "delete it to rebuild")
+    try:
+        lib.mtpflow_w8a8_abi.restype = lib.mtpflow_w8a8_args_size.restype = ctypes.c_int
+        w8a8 = (lib.mtpflow_w8a8_abi(), lib.mtpflow_w8a8_args_size())
+    except AttributeError:
+        w8a8 = None
+    if w8a8 != (W8A8_ABI, ctypes.sizeof(W8A8Args)):
+        raise UserError(f"native kernel {path} has int8 rows ABI {w8a8}, this mtpflow expects "
+                        f"{(W8A8_ABI, ctypes.sizeof(W8A8Args))}: delete it to rebuild")
     try:
         _declare(lib)
     except AttributeError as missing:
@@ -204,6 +242,11 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.mtpflow_panel_min_rows.restype = ctypes.c_int
     lib.mtpflow_llama_rows.argtypes = [ctypes.POINTER(RowsArgs)]
     lib.mtpflow_llama_rows.restype = ctypes.c_int
+    lib.mtpflow_w8a8_rows.argtypes = [ctypes.POINTER(W8A8Args)]
+    lib.mtpflow_w8a8_rows.restype = ctypes.c_int
+    lib.mtpflow_gemm_w8a8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 5
+    lib.mtpflow_gemm_w8a8.restype = ctypes.c_int
+    lib.mtpflow_q8_isa.restype = ctypes.c_int
 
 
 def available() -> bool:
@@ -277,4 +320,47 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     lib = library() if lib is None else lib
     lib.mtpflow_small_gemm_q8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), bias_ptr, y.data_ptr(), m, n, k,
                               torch.get_num_threads())
+    return y
+
+
+Q8_STEP = 64  # Q8_STEP in small_gemm.c: the int8 model's weight rows are padded with zeros to a multiple of it
+Q8_NB = 4  # Q8_NB in small_gemm.c: weight rows per packed block
+Q8_ISAS = {0: "plain C", 1: "AVX-512 VNNI", 2: "AVX2"}  # mtpflow_q8_isa()
+
+
+def q8_isa(lib: ctypes.CDLL | None = None) -> str:
+    """What computes the int8 model's dot products in this build (``Q8_ISAS``)."""
+    lib = library() if lib is None else lib
+    return Q8_ISAS[lib.mtpflow_q8_isa()]
+
+
+def pack_q8(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights [N, K] as the W8A8 kernel reads them: zero columns up to kp (a multiple of Q8_STEP), zero rows
+    up to a multiple of Q8_NB, each block of Q8_NB rows laid out [kp / Q8_STEP][Q8_NB][Q8_STEP] (so a block is one
+    sequential read). Returns [blocks, kp / Q8_STEP, Q8_NB, Q8_STEP]."""
+    n, k = q.shape
+    kp, np_ = -(-k // Q8_STEP) * Q8_STEP, -(-n // Q8_NB) * Q8_NB
+    padded = torch.nn.functional.pad(q, (0, kp - k, 0, np_ - n))
+    return padded.view(np_ // Q8_NB, Q8_NB, kp // Q8_STEP, Q8_STEP).transpose(1, 2).contiguous()
+
+
+def unpack_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The weights [n, k] that ``pack_q8`` packed."""
+    blocks, steps, nb, step = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * nb, steps * step)[:n, :k]
+
+
+def gemm_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, k: int,
+              lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """The int8 model's product (``int8_reference.linear``): float32 ``x`` [..., k], the packed int8 weight ``q``
+    (``pack_q8``), float32 ``scale`` [N], int32 ``wsum`` [N] (the weight rows' sums). Callers check
+    ``available()``."""
+    lib = library() if lib is None else lib
+    x = x.contiguous()
+    n = int(scale.numel())
+    y = torch.empty((*x.shape[:-1], n), dtype=torch.float32)
+    kp = q.shape[1] * q.shape[3]
+    if lib.mtpflow_gemm_w8a8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), wsum.data_ptr(), y.data_ptr(),
+                             x.numel() // k, n, k, kp, torch.get_num_threads()) != 0:
+        raise MemoryError("mtpflow_gemm_w8a8: out of memory")
     return y

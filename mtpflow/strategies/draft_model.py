@@ -89,8 +89,11 @@ class DraftModelProposer:
 
     @hookimpl
     def on_run_start(self, context):
-        if self.quantize:
-            self.draft = None  # the target's own layers through their int8 copy (the backend's self-draft)
+        # the backend drafts with the target's first layers itself where the model's modules cannot (the int8 model)
+        self.backend_layers = bool(not self.quantize and not self.model_name and context.backend is not None
+                                   and context.backend.drafts_layers)
+        if self.quantize or self.backend_layers:
+            self.draft = None  # the target's own layers through the backend's self-draft
         elif self.model_name:
             from mtpflow.model import load_model
 
@@ -101,7 +104,7 @@ class DraftModelProposer:
         else:
             self.draft = truncated_model(context.model, int(self.layers))
         # a separate draft model keeps its own cache; the self-draft uses the target's (``_shared_draft``)
-        self.cache = DynamicCache(config=self.draft.config) if self.model_name else None
+        self.cache = DynamicCache(config=self.draft.config) if self.model_name and self.draft is not None else None
         self.cached = 0
         facts = {"draft_model": self.model_name or (f"target[:{self.layers} layers]" if self.layers else "target int8")}
         if self.cost_aware:
@@ -156,7 +159,7 @@ class DraftModelProposer:
         if k == 0:
             self.skipped += 1
             return Draft.empty("draft_model")
-        if self.quantize:
+        if self.quantize or self.backend_layers:
             return self._int8_draft(state, k)
         if self.model_name is None:
             return self._shared_draft(state, k, state.extras["slot_cache"]())  # the loop's view of its KV slot
@@ -209,7 +212,7 @@ class DraftModelProposer:
         """``k`` tokens from the target's int8 copy over its own cache (greedy: under sampling the chain is a
         deterministic draft, which the speculative-sampling gate accepts in distribution)."""
         t0 = time.perf_counter()
-        drafted = state.extras["self_draft"](k)
+        drafted = state.extras["self_draft"](k, **({"layers": int(self.layers)} if self.backend_layers else {}))
         if drafted is None:
             raise UserError("strategy.propose.quantize=int8 needs the native_cpu backend's self-draft: a "
                             "Llama-family float32 model on a CPU with the native kernels built (model.backend=auto)")

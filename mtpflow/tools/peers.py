@@ -201,13 +201,18 @@ def run_peers(checked: dict[str, dict], units: list[dict], *, max_tokens: int, s
     from tqdm import tqdm
 
     prompts = [[int(t) for t in (u["ids"].tolist() if hasattr(u["ids"], "tolist") else u["ids"])] for u in units]
+    ggufs = list(gguf) if isinstance(gguf, (list, tuple)) else [gguf]
     rows, summary_rows, record = [], [], {}
     for name, ready in checked.items():
         record[name] = {"version": ready.get("version"), "python": ready["python"], "variable": ready["variable"],
                         "runs": {}}
-        for run in runs_for(name):
+        # llama.cpp over several GGUFs (precisions of one model): every run once per file, labelled by its name
+        files = ggufs if name == "llamacpp" else ggufs[:1]
+        runs = [({**run, "label": f"{run['label']} [{Path(g).stem}]"} if len(files) > 1 else run, g)
+                for g in files for run in runs_for(name)]
+        for run, one_gguf in runs:
             job = job_for(name, run, prompts, max_tokens=max_tokens, stop_ids=stop_ids, threads=threads,
-                          model_folder=model_folder, gguf=gguf)
+                          model_folder=model_folder, gguf=one_gguf)
             bar = tqdm(total=len(prompts), desc=run["label"], unit="prompt", file=sys.stderr)
 
             def advance(event, bar=bar):

@@ -302,6 +302,59 @@ def test_llama_rows_match_the_reference(builds, build, case):
     check_rows(_lib(builds, build), ROWS_CASES[case], seed=case)
 
 
+# ----- the int8 model (mtpflow_gemm_w8a8, mtpflow_w8a8_rows): bit for bit its torch reference -------------------
+
+def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), (130, 100), (33, 257)), seed=0) -> int:
+    """The int8 product and a tiny int8 model's forward (prefill with taps, then a two-sequence verify) through
+    ``lib``, each equal to ``int8_reference`` bit for bit; returns the number of calls checked."""
+    from helpers import make_tiny_model
+    from mtpflow.backends import create, quantize_int8
+    from mtpflow.kernels import int8_reference as R
+
+    generator = torch.Generator().manual_seed(seed)
+    calls = 0
+    for n, k in shapes:
+        lin = R.Int8Linear.of(torch.randn(n, k, generator=generator))
+        for m in rows:
+            x = torch.randn(m, k, generator=generator) * 3
+            assert torch.equal(native_linear.gemm_w8a8(x, lin.q, lin.scale, lin.wsum, k, lib), R.linear(x, lin)), \
+                f"gemm_w8a8 m={m} n={n} k={k}"
+            calls += 1
+    model = make_tiny_model(96, seed=seed, layers=2)
+    weights = quantize_int8(model)
+    backend = create(model, "auto", int8=weights)
+    backend.lib = lib
+    pool = backend.make_pool(2)
+    prompts = [torch.randint(1, 96, (n,), generator=generator) for n in (9, 3)]
+    refs = [R.Int8Reference(weights) for _ in prompts]
+    for slot, (ids, ref) in enumerate(zip(prompts, refs)):
+        n = len(ids)
+        allowed = torch.ones(n, n, dtype=torch.bool).tril_().to(torch.uint8)
+        logits, hidden = backend.run(pool, ids, torch.arange(n), [slot] * n, list(range(n)), [0] * n, [n] * n,
+                                     allowed, (0, -1))
+        ref_logits, ref_normed, ref_taps = ref.forward(ids, taps=(0,))
+        assert torch.equal(logits, ref_logits) and torch.equal(hidden, torch.cat([ref_taps[0], ref_normed], -1))
+        calls += 1
+    new = [torch.randint(1, 96, (2,), generator=generator), torch.randint(1, 96, (1,), generator=generator)]
+    lengths = [len(p) for p in prompts]
+    allowed = torch.tensor([[1, 0], [1, 1], [1, 0]], dtype=torch.uint8)
+    logits, _ = backend.run(pool, torch.cat(new), torch.tensor([lengths[0], lengths[0] + 1, lengths[1]]), [0, 0, 1],
+                            [lengths[0], lengths[0] + 1, lengths[1]], [lengths[0], lengths[0], lengths[1]], [2, 2, 1],
+                            allowed)
+    assert torch.equal(logits[:2], refs[0].forward(new[0])[0]) and torch.equal(logits[2:], refs[1].forward(new[1])[0])
+    return calls + 1
+
+
+@needs_cc
+@pytest.mark.parametrize("build", BUILDS)
+def test_the_int8_model_matches_its_reference_bit_for_bit(builds, build):
+    lib = _lib(builds, build)
+    expected = {"generic": "plain C", "avx2": "AVX2", "avx512": "AVX2"}.get(build)  # skylake-avx512: no VNNI
+    if expected is not None:
+        assert native_linear.q8_isa(lib) == expected
+    assert check_w8a8(lib) == 5 * 6 + 3
+
+
 # ----- the versioned struct ----------------------------------------------------------------------------------
 
 def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
@@ -319,6 +372,14 @@ def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
     offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
     assert offsets == [getattr(native_linear.RowsArgs, n).offset for n in names]
     assert native_linear.ROWS_VALUES == 43  # what the caller passes after the library
+    names = [name for name, _ in native_linear.W8A8Args._fields_]  # the int8 model's struct, the same way
+    helper.write_text(f'#include <stddef.h>\n#include "{native_linear.SOURCE}"\n'
+                      "long offsets[] = {" + ", ".join(f"offsetof(struct mtpflow_w8a8_args, {n})" for n in names)
+                      + "};\n")
+    out = tmp_path / "offsets8.so"
+    assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), helper)
+    offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
+    assert offsets == [getattr(native_linear.W8A8Args, n).offset for n in names]
 
 
 @needs_cc
@@ -330,6 +391,9 @@ def test_a_struct_of_another_version_or_size_is_answered_with_an_error_code(buil
     args = native_linear.RowsArgs(version, ctypes.sizeof(native_linear.RowsArgs) + size_delta)
     args.M, args.L, args.H = 1000, 30, 576
     assert lib.mtpflow_llama_rows(ctypes.byref(args)) == native_linear.ROWS_BAD_ABI == -2
+    args = native_linear.W8A8Args(version, ctypes.sizeof(native_linear.W8A8Args) + size_delta)
+    args.M, args.L, args.H = 1000, 30, 576
+    assert lib.mtpflow_w8a8_rows(ctypes.byref(args)) == native_linear.ROWS_BAD_ABI
 
 
 def _build_edited(tmp_path, name: str, old: str, new: str) -> Path:
@@ -346,7 +410,8 @@ def _build_edited(tmp_path, name: str, old: str, new: str) -> Path:
 def test_a_build_of_another_abi_is_refused_with_one_line(tmp_path, monkeypatch):
     size = ctypes.sizeof(native_linear.RowsArgs)
     foreign = _build_edited(tmp_path, "v999", "#define MTPFLOW_ROWS_ABI 1\n", "#define MTPFLOW_ROWS_ABI 999\n")
-    grown = _build_edited(tmp_path, "grown", "    int threads;\n", "    int threads;\n    double extra;\n")
+    grown = _build_edited(tmp_path, "grown", "    int threads;\n    /* int8 copies",
+                          "    int threads;\n    double extra;\n    /* int8 copies")
     bare = tmp_path / "bare.c"
     bare.write_text("int mtpflow_vector_width(void) { return 8; }\n")
     assert native_linear.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), bare)
@@ -386,6 +451,7 @@ def sanitizer_subset(paths: list[str]) -> None:
         check_products(lib, rows=(1, 2, 3, 7, 17), shapes=((1, 1), (5, 17), (65, 33), (130, 100)))
         for seed, case in enumerate(ROWS_CASES[1:3]):
             check_rows(lib, case, seed)
+        check_w8a8(lib, rows=(1, 2, 7), shapes=((1, 1), (5, 7), (130, 100)))
         print(f"checked {path} (vector width {lib.mtpflow_vector_width()})", flush=True)
 
 

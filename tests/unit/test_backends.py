@@ -76,8 +76,8 @@ def test_a_backend_that_does_not_apply_is_one_line():
         backends.create(model, "native_cpu")
     with pytest.raises(ConfigError, match="model.backend must be one of auto, hf, native_cpu, cuda_graph, got 'fast'"):
         backends.create(model, "fast")
-    with pytest.raises(UserError, match="model.quantize=int8 runs on the native_cpu backend"):
-        backends.create(model, "hf", int8={"x": None})
+    with pytest.raises(UserError, match="model.quantize=int8 runs on the native_cpu backend, not model.backend=hf"):
+        backends.create(make_tiny_model(64, seed=1), "hf", int8=backends.quantize_int8(make_tiny_model(64, seed=1)))
 
 
 @needs_native

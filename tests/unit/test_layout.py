@@ -58,7 +58,7 @@ def test_transformers_imports_from_the_checkout_as_working_directory():
 # ----- the import graph is a tree ------------------------------------------------------------------------------
 # the CPU machinery: only mtpflow.backends (the seam) and the kernels themselves import it
 CPU_MACHINERY = ("mtpflow.kernels.native_linear", "mtpflow.kernels.certified_head", "mtpflow.kernels.openmp",
-                 "mtpflow.backends.native_cpu")
+                 "mtpflow.backends.native_cpu", "mtpflow.backends.native_int8")
 # what the kernels and the host-measurement cache may import of mtpflow: nothing above them
 LEAVES = {"mtpflow.kernels": ("mtpflow.kernels", "mtpflow.errors", "mtpflow.host"), "mtpflow.host": ("mtpflow.errors",)}
 

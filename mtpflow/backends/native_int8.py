@@ -1,0 +1,232 @@
+"""The int8 model on the CPU (``model.quantize=int8``): the ``native_cpu`` backend over int8 weights.
+
+At batch 1 a CPU decode step is bound by reading the weights; int8 weights are a quarter of float32's bytes, and
+with the activations quantized per row the dot products run on the CPU's integer units (AVX-512 VNNI, else
+AVX2; ``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in small_gemm.c). The numerics are
+``mtpflow.kernels.int8_reference``'s, which defines the int8 model: "lossless" here means token-identical to its
+greedy, one token at a time, and every forward below computes exactly that model row by row (no result depends
+on the other rows in the call).
+
+``quantize_model`` builds the int8 weights at load time and frees the float32 weights of the decoder layers and
+the LM head (a model that fits in int8 but not in float32 runs); an embedding table of its own stays float32 (one
+row read per token); one tied to the head is read from the int8 head's rows. Every forward of this backend goes
+through the C kernel: prefills (in chunks of ``PREFILL_ROWS`` rows), verifies (with the hidden-state taps a
+strategy asks for) and the self-draft.
+"""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import torch
+
+from mtpflow.backends.base import Backend
+from mtpflow.backends.hf import own_taps, tree_allowed
+from mtpflow.errors import UserError
+from mtpflow.kernels import native_linear, openmp
+from mtpflow.kernels.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model
+from mtpflow.types import Verification
+
+# prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
+PREFILL_ROWS = 256
+
+
+class Int8Rows(torch.nn.Module):
+    """The int8 LM head of the int8 model in the model's place (and, where the head is tied to it, its input
+    embedding): ``forward(ids)`` looks rows up, ``weight`` is the float table ``q * scale`` made on each read (a
+    draft head's vocabulary projection, a vocabulary size). The model's own forward does not run any more."""
+
+    def __init__(self, head: Int8Linear):
+        super().__init__()
+        self.head = head
+        self.num_embeddings = self.out_features = head.n
+        self.embedding_dim = self.in_features = head.k
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.dequantized()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.dequantized(ids).view(*ids.shape, -1)
+
+
+def quantize_model(model, reason: str | None) -> Int8Weights:
+    """``model`` as the int8 model: its int8 weights, with the float32 weights of its decoder layers and LM head
+    (and of its embedding, where the head is tied to it) freed: their linears keep empty weights, the head (and
+    tied embedding) become ``Int8Rows`` over the int8 head. ``reason``: why the ``native_cpu`` backend cannot run
+    ``model`` (``native_cpu.not_applicable``), a one-line UserError then."""
+    if reason is not None:
+        raise UserError(f"model.quantize=int8 does not apply to this model: {reason}")
+    weights = int8_model(model)
+    inner = model.model
+    with torch.no_grad():
+        for block in inner.layers[: model.config.num_hidden_layers]:
+            for m in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
+                      block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj):
+                m.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+        rows = Int8Rows(weights.head)
+        model.lm_head = rows
+        if weights.embed is None:  # tied
+            inner.embed_tokens = rows
+    return weights
+
+
+def _pointers(tensors):
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+class NativeInt8Backend(Backend):
+    """Every forward of the int8 model through ``mtpflow_w8a8_rows``; see the module docstring."""
+
+    name = "native_cpu"
+
+    def __init__(self, model, weights: Int8Weights):
+        super().__init__(model)
+        self.lib = native_linear.library()
+        if self.lib is None:
+            raise ValueError("mtpflow's C kernel could not be built here (no C compiler, or MTPFLOW_NATIVE=0)")
+        self.w = w = weights
+        layers = w.layers
+        lin = {name: [getattr(layer, name) for layer in layers] for name in ("qkv", "o", "gate_up", "down")}
+        self._arrays = {"ln1": _pointers([layer.ln1 for layer in layers]),
+                        "ln2": _pointers([layer.ln2 for layer in layers])}
+        for key, name in (("qkv", "qkv"), ("o", "o"), ("gu", "gate_up"), ("d", "down")):
+            self._arrays["w" + key] = _pointers([x.q for x in lin[name]])
+            self._arrays["s" + key] = _pointers([x.scale for x in lin[name]])
+            self._arrays["z" + key] = _pointers([x.wsum for x in lin[name]])
+        first = layers[0]
+        self._dims = dict(L=len(layers), H=w.hidden, nh=w.heads, nkv=w.kv_heads, d=w.head_dim, I=w.intermediate,
+                          kp_h=first.qkv.kp, kp_q=first.o.kp, kp_i=first.down.kp)
+        self._kv = (None, None, None)
+
+    # ----- the kernel ---------------------------------------------------------------------------------------
+    def _kv_pointers(self, pool):
+        keys, k, v = self._kv
+        if keys is not pool.keys:
+            k, v = _pointers(pool.keys), _pointers(pool.values)
+            self._kv = (pool.keys, k, v)
+        return k, v
+
+    def run(self, pool, ids, positions, slots, wpos, prefix, count, allowed, taps=(), head_from: int | None = 0,
+            layers: int | None = None):
+        """``mtpflow_w8a8_rows`` over rows described as for ``mtpflow_llama_rows`` (lists of ints, one per row;
+        ``allowed`` a uint8 [rows, qmax] tensor), the int8 LM head in the same call. Returns (the logits
+        [rows - head_from, vocab] of rows ``head_from`` on, None where ``head_from`` is None; the taps
+        [rows, H * len(taps)] or None: layer outputs, -1 the final-normed state). ``layers``: the first ``layers``
+        layers only, then the final norm and the head."""
+        pool.ensure(max(w + 1 for w in wpos))
+        keys, values = self._kv_pointers(pool)
+        h = self.w.embedding(ids).contiguous()
+        cos, sin = self.w.rope.rows(positions)
+        m = len(slots)
+        normed = torch.empty_like(h)
+        tapped = {t: torch.empty_like(h) for t in taps if t >= 0}
+        tap_array = None
+        if tapped:
+            tap_array = (ctypes.c_void_p * self._dims["L"])(
+                *[tapped[i].data_ptr() if i in tapped else None for i in range(self._dims["L"])])
+        head = self.w.head
+        logits = None if head_from is None else torch.empty(m - head_from, head.n)
+        ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, count)]
+        code = native_linear.w8a8_rows(
+            self.lib, h=h.data_ptr(), normed=normed.data_ptr(), taps=ctypes.addressof(tap_array) if tap_array else None,
+            M=m, **{**self._dims, "L": layers or self._dims["L"]}, **self._arrays, norm_w=self.w.norm.data_ptr(), eps=self.w.eps, kc=keys, vc=values,
+            cap=pool.capacity, slot=ints[0].data_ptr(), wpos=ints[1].data_ptr(), prefix=ints[2].data_ptr(),
+            count=ints[3].data_ptr(), allowed=allowed.data_ptr(), qmax=allowed.shape[1], cos=cos.data_ptr(),
+            sin=sin.data_ptr(), scale=self.w.attn_scale, threads=torch.get_num_threads(),
+            head_q=head.q.data_ptr(), head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n,
+            head_from=head_from or 0, logits=None if logits is None else logits.data_ptr())
+        if code != 0:
+            raise MemoryError("mtpflow_w8a8_rows: out of memory")
+        hidden = None
+        if taps:
+            tapped[-1] = normed
+            hidden = torch.cat([tapped[t] for t in taps], dim=-1) if len(taps) > 1 else tapped[taps[0]]
+        return logits, hidden
+
+    # ----- the interface ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, targets, prompts, prefix_cache=None, starts=None):
+        starts = starts or [0] * len(targets)
+        out = []
+        for target, tokens, start in zip(targets, prompts, starts):
+            n = int(tokens.numel())
+            taps = target.taps
+            parts, logits = [], None
+            for lo in range(0, n, PREFILL_ROWS):
+                hi = min(n, lo + PREFILL_ROWS)
+                length = target.kv.length
+                rows = hi - lo
+                allowed = torch.ones(rows, rows, dtype=torch.bool).tril_().to(torch.uint8)
+                positions = torch.arange(start + lo, start + hi) - target.position_shift
+                logits, hidden = self.run(target.pool, tokens[lo:hi], positions, [target.kv.slot] * rows,
+                                          list(range(length, length + rows)), [length] * rows, [rows] * rows,
+                                          allowed, taps, head_from=rows - 1 if hi == n else None)
+                target.kv.length = length + rows
+                if hidden is not None:
+                    parts.append(hidden)
+            target.forwards += 1
+            out.append((logits, torch.cat(parts) if parts else None))
+        return out
+
+    @torch.inference_mode()
+    def verify(self, targets, roots, drafts, root_positions):
+        t0 = time.perf_counter()
+        ids, positions, masks = [], [], []
+        for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
+            ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
+            base = root_position - target.position_shift
+            positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])
+                             if draft.num_nodes else torch.tensor([base]))
+            masks.append(tree_allowed(draft.parents) if draft.num_nodes else torch.ones(1, 1, dtype=torch.bool))
+        counts = [int(t.numel()) for t in ids]
+        allowed = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
+        slots, wpos, prefix, count, starts = [], [], [], [], []
+        start = 0
+        for target, n, mask in zip(targets, counts, masks):
+            length = target.kv.length
+            allowed[start:start + n, :n] = mask
+            slots += [target.kv.slot] * n
+            wpos += range(length, length + n)
+            prefix += [length] * n
+            count += [n] * n
+            starts.append(start)
+            start += n
+        taps = tuple(sorted({t for target in targets for t in target.taps}))
+        logits, hidden = self.run(targets[0].pool, torch.cat(ids), torch.cat(positions), slots, wpos, prefix, count,
+                                  allowed, taps)
+        seconds = time.perf_counter() - t0
+        results = []
+        for target, n, first in zip(targets, counts, starts):
+            target.kv.length += n
+            target.forwards += 1
+            h = own_taps(hidden[first:first + n], taps, target.taps) if hidden is not None and target.taps else None
+            results.append(Verification(logits=logits[first:first + n], hidden=h, forward_seconds=seconds))
+        return results
+
+    drafts_layers = True
+
+    @torch.inference_mode()
+    def self_draft(self, target, root, position, steps, layers=None):
+        """``steps`` greedy tokens of the int8 model itself (or its first ``layers`` layers, the final norm and
+        the head: ``draft_model``'s layer-skip draft), one row per token over the target's slot (the entries go
+        after the committed ones, where the next verify overwrites them). Over all layers there is no cheaper copy:
+        the draft is the target's own greedy, always accepted, at one forward per token."""
+        one = torch.ones(1, 1, dtype=torch.uint8)
+        length, token, drafted = target.cache_len, root, []
+        for i in range(steps):
+            logits, _ = self.run(target.pool, torch.tensor([token]), torch.tensor([position + i]), [target.kv.slot],
+                                 [length + i], [length + i], [1], one, layers=layers)
+            token = int(logits[0].argmax())
+            drafted.append(token)
+        return drafted
+
+    def describe(self) -> str:
+        return (f"native_cpu int8 w8a8 {native_linear.q8_isa(self.lib)} "
+                f"kernel:{native_linear.source_hash()[:10]}")
+
+    def thread_idle(self) -> None:
+        openmp.release_workers()
+
+    def stats(self) -> dict:
+        return {"backend": self.name, "int8_weights_mb": round(self.w.nbytes / 2**20, 1)}

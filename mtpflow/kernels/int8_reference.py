@@ -1,0 +1,335 @@
+"""The int8 model (``model.quantize=int8``): its numerics, defined once, in torch.
+
+A Llama-family model quantized by ``quantize_model`` is this model, and its forward is ``Int8Reference.forward``:
+- every linear of the decoder layers and the LM head: int8 weights ``q [N, K]`` with one float32 scale per output
+  feature (symmetric: ``scale = max|w_n| / 127``, ``q = round(w / scale)``);
+- its input quantized per row: ``s = max|x| / 127`` (1 for a row of zeros), ``xq = round(x / s)`` clamped to
+  +-127, ``round`` half to even;
+- the product: the exact integer ``dot = sum_k xq q``, then ``y = (float(dot) * s) * scale`` (float32, that
+  order). Each row's result depends on that row alone: a batched verify gives exactly what its rows give one at a
+  time;
+- RMSNorm: the mean square summed in float64, rounded once, then ``w * (x * (1 / sqrt(ms + eps)))`` in float32
+  (a correctly rounded square root);
+- rotary from one table of cos / sin per position (``Rope``), ``x * cos + rotate_half(x) * sin``;
+- attention: scores ``float(q . k) * scale`` with the dot in float64, softmax ``vexp(s - max)`` (the polynomial
+  below, also in SiLU), its sum and the weighted values in float64, each rounded once: ``float(sum e v) * (1 /
+  float(sum e))``;
+- SiLU: ``(g / (1 + vexp(-g))) * u``; residuals in float32; the embedding: the model's float table (for a head
+  tied to it, the int8 head's rows times their scales: ``Int8Weights.embedding``).
+
+The C kernel (``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in small_gemm.c, no fused multiply-adds between
+its products) computes the same operations. Sums in float64 are rounded once to float32, so their order does not
+matter except when a sum lies within float64 rounding of a float32 rounding boundary (the tests measure how often
+that is: never, in the cases they run). "Lossless" over the int8 model means token-identical to
+``Int8Reference.greedy``: one token at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mtpflow.kernels.native_linear import pack_q8, quantize_int8, unpack_q8
+
+F32 = torch.float32
+# the integer dot products run as float32 matmuls over chunks of CHUNK columns: every partial sum is an integer
+# below CHUNK * 127 * 127 < 2^24, so each chunk is exact whatever order the matmul sums in
+CHUNK = 1024
+
+
+@dataclass
+class Int8Linear:
+    """One linear of the int8 model: ``q`` its int8 weight [N, k] packed for the kernel (``native_linear.pack_q8``:
+    zero-padded, in blocks), ``scale`` [N] float32, ``wsum`` [N] int32 (the rows' sums: the VNNI kernel's offset
+    correction). ``rows()``: the weight [N, k]."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    wsum: torch.Tensor
+    k: int
+
+    @classmethod
+    def of(cls, *weights: torch.Tensor) -> "Int8Linear":
+        """The int8 linear of ``weights`` (float [N_i, k] each, over the same input: q/k/v, gate/up) as one, their
+        rows one after another; each row quantized on its own."""
+        parts = [quantize_int8(w) for w in weights]
+        q = torch.cat([p[0] for p in parts])
+        return cls(pack_q8(q), torch.cat([p[1] for p in parts]).contiguous(),
+                   q.sum(dim=1, dtype=torch.int32).contiguous(), int(q.shape[1]))
+
+    @property
+    def n(self) -> int:
+        return int(self.scale.numel())
+
+    @property
+    def kp(self) -> int:
+        return int(self.q.shape[1] * self.q.shape[3])
+
+    def rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The int8 weight [N, k] (or its rows ``ids``)."""
+        if ids is None:
+            return unpack_q8(self.q, self.n, self.k)
+        ids = ids.reshape(-1)
+        return self.q[ids // self.q.shape[2], :, ids % self.q.shape[2]].reshape(ids.numel(), -1)[:, :self.k]
+
+    def dequantized(self, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``q * scale`` in float32 [N, k] (or rows ``ids``): what the int8 head is as a float table."""
+        scale = self.scale if ids is None else self.scale[ids.reshape(-1)]
+        return self.rows(ids).to(F32) * scale[:, None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.wsum))
+
+
+@dataclass
+class Int8Layer:
+    ln1: torch.Tensor     # [H] input RMSNorm weight (float32)
+    qkv: Int8Linear       # q rows, then k rows, then v rows
+    o: Int8Linear
+    ln2: torch.Tensor
+    gate_up: Int8Linear   # gate rows, then up rows
+    down: Int8Linear
+
+
+class Rope:
+    """cos / sin [positions, head_dim] of a model's rotary embedding, computed in fixed chunks of positions (the
+    same values whichever rows ask for them: torch's vectorized cos / sin may round a tensor's tail differently)."""
+
+    STEP = 1024
+
+    def __init__(self, rotary_emb, dtype=F32):
+        self.rotary_emb, self.dtype = rotary_emb, dtype
+        self.cos = self.sin = torch.empty(0, 0)
+
+    def rows(self, positions: torch.Tensor):
+        need = int(positions.max()) + 1 if positions.numel() else 0
+        while self.cos.shape[0] < need:
+            start = self.cos.shape[0]
+            pos = torch.arange(start, start + self.STEP)[None]
+            with torch.no_grad():
+                cos, sin = self.rotary_emb(torch.empty(1, dtype=self.dtype), position_ids=pos)
+            self.cos = torch.cat([self.cos.reshape(-1, cos.shape[-1]), cos[0].float()])
+            self.sin = torch.cat([self.sin.reshape(-1, sin.shape[-1]), sin[0].float()])
+        return self.cos[positions].contiguous(), self.sin[positions].contiguous()
+
+
+@dataclass
+class Int8Weights:
+    """Everything the int8 model's forward reads (``quantize_model`` builds it)."""
+    layers: list[Int8Layer]
+    norm: torch.Tensor            # [H] final RMSNorm weight
+    head: Int8Linear              # [vocab, H]
+    embed: torch.Tensor | None    # [vocab, H] float32 lookup table; None: the head is tied to the embedding
+    eps: float
+    heads: int                    # query heads
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    attn_scale: float
+    rope: Rope
+    _float: dict = field(default_factory=dict, repr=False)  # the reference's float copies of q, by id
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [len(ids), H] of token ``ids``: the float table's rows, or for a head tied to the
+        embedding the int8 head's rows times their scales."""
+        return self.head.dequantized(ids) if self.embed is None else self.embed[ids.reshape(-1)]
+
+    @property
+    def hidden(self) -> int:
+        return int(self.norm.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the int8 linears (the decoder layers and the head)."""
+        return self.head.nbytes + sum(lin.nbytes for layer in self.layers
+                                      for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
+def quantize_model(model) -> Int8Weights:
+    """The int8 model of a Llama-family float32 ``model`` (callers check it applies: the ``native_cpu`` backend's
+    ``not_applicable``). Reads the float weights; does not change them (``backends.native_int8.quantize_model``
+    then drops them)."""
+    inner, cfg = model.model, model.config
+    blocks = list(inner.layers[: cfg.num_hidden_layers])
+    layers = []
+    with torch.no_grad():
+        for b in blocks:
+            a, m = b.self_attn, b.mlp
+            layers.append(Int8Layer(
+                b.input_layernorm.weight.detach().float().clone(),
+                Int8Linear.of(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
+                Int8Linear.of(a.o_proj.weight),
+                b.post_attention_layernorm.weight.detach().float().clone(),
+                Int8Linear.of(m.gate_proj.weight, m.up_proj.weight),
+                Int8Linear.of(m.down_proj.weight)))
+        head = Int8Linear.of(model.lm_head.weight)
+        embed_weight = inner.embed_tokens.weight
+        tied = embed_weight.data_ptr() == model.lm_head.weight.data_ptr()  # then: the int8 head's rows
+        embed = None if tied else embed_weight.detach().float()
+    _one_buffer([lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head])
+    first = blocks[0].self_attn
+    return Int8Weights(layers, inner.norm.weight.detach().float().clone(), head, embed,
+                       float(inner.norm.variance_epsilon), int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
+                       int(first.head_dim), int(cfg.intermediate_size), float(first.scaling), Rope(inner.rotary_emb))
+
+
+def _one_buffer(linears: list[Int8Linear]) -> None:
+    """Move the linears' int8 weights into one buffer, in the order a forward reads them (each ``q`` a view): the
+    kernel then streams one region from memory. Separate allocations ran the default model's products at about
+    three quarters of the bandwidth of one (measured: docs/bench/int8.md)."""
+    buffer = torch.empty(sum(lin.q.numel() for lin in linears), dtype=torch.int8)
+    start = 0
+    for lin in linears:
+        n = lin.q.numel()
+        buffer[start:start + n] = lin.q.reshape(-1)
+        lin.q = buffer[start:start + n].view(lin.q.shape)
+        start += n
+
+
+# ----- the operations ---------------------------------------------------------------------------------------------
+def _c(value: float) -> torch.Tensor:
+    return torch.tensor(value, dtype=F32)
+
+
+_EXP = {name: _c(v) for name, v in (
+    ("lo", -87.0), ("hi", 88.0), ("log2e", 1.44269504088896341), ("half", 0.5), ("one", 1.0),
+    ("c1", 0.693359375), ("c2", -2.12194440e-4), ("p0", 1.9875691500e-4), ("p1", 1.3981999507e-3),
+    ("p2", 8.3334519073e-3), ("p3", 4.1665795894e-2), ("p4", 1.6666665459e-1), ("p5", 5.0000001201e-1))}
+
+
+def vexp(x: torch.Tensor) -> torch.Tensor:
+    """e^x as small_gemm.c's ``vexp`` computes it (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times
+    2^n; x clamped to [-87, 88]), one float32 rounding per operation."""
+    c = _EXP
+    x = torch.where(x < c["lo"], c["lo"], x)
+    x = torch.where(c["hi"] < x, c["hi"], x)
+    fx = x * c["log2e"] + c["half"]
+    t = fx.to(torch.int32).to(F32)  # truncation, then floor
+    t = t - (t > fx).to(F32)
+    x = x - t * c["c1"] - t * c["c2"]
+    y = c["p0"] * x + c["p1"]
+    for p in ("p2", "p3", "p4", "p5"):
+        y = y * x + c[p]
+    y = y * (x * x) + x + c["one"]
+    n = t.to(torch.int32)
+    return y * ((n + 127) << 23).view(F32)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    ms = ((x.double() * x.double()).sum(-1) / x.shape[-1]).float()
+    # torch.sqrt in float32 is not correctly rounded (about one value in six is an ulp off); the square root of the
+    # float64 value, rounded to float32, is: the C kernel's sqrtf
+    r = _c(1.0) / torch.sqrt((ms + _c(eps)).double()).float()
+    return weight * (x * r[..., None])
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of ``x`` [..., K] as int8 values (held in float32) and its scale [...]."""
+    amax = x.abs().amax(dim=-1)
+    s = torch.where(amax > 0, amax / _c(127.0), _c(1.0))
+    return torch.round(x / s[..., None]).clamp_(-127, 127), s
+
+
+def linear(x: torch.Tensor, lin: Int8Linear, cache: dict | None = None) -> torch.Tensor:
+    """The int8 model's product over ``x`` [..., K] -> [..., N]: exact integer dot products, then the scales.
+    ``cache``: where to keep the float copy of the int8 weight between calls (keyed by the weight)."""
+    xq, s = quantize_rows(x)
+    flat = xq.reshape(-1, lin.k)
+    wf = cache.get(id(lin.q)) if cache is not None else None
+    if wf is None:
+        wf = lin.rows().to(F32)
+        if cache is not None:
+            cache[id(lin.q)] = wf
+    dot = torch.zeros(flat.shape[0], wf.shape[0], dtype=torch.int64)
+    for start in range(0, lin.k, CHUNK):
+        dot += (flat[:, start:start + CHUNK] @ wf[:, start:start + CHUNK].T).to(torch.int64)
+    y = (dot.to(F32) * s.reshape(-1)[:, None]) * lin.scale[None, :]
+    return y.reshape(*x.shape[:-1], -1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [rows, heads, d], cos / sin [rows, d]: ``x * cos + rotate_half(x) * sin``."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None] + turned * sin[:, None]
+
+
+def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """q [rows, heads, d] over keys / values [kv_heads, n, d]; visible [rows, n] bool -> [rows, heads * d]."""
+    rows, heads, d = q.shape
+    group = heads // keys.shape[0]
+    k = keys.repeat_interleave(group, dim=0).double()  # [heads, n, d]
+    v = values.repeat_interleave(group, dim=0).double()
+    scores = (q.transpose(0, 1).double() @ k.transpose(1, 2)).float() * _c(scale)  # [heads, rows, n]
+    scores = scores.masked_fill(~visible[None], -torch.inf)
+    m = scores.amax(dim=-1, keepdim=True)
+    e = torch.where(visible[None], vexp(scores - m), _c(0.0))
+    inv = _c(1.0) / e.double().sum(dim=-1).float()
+    out = (e.double() @ v).float() * inv[..., None]  # [heads, rows, d]
+    return out.transpose(0, 1).reshape(rows, heads * d)
+
+
+# ----- the forward ------------------------------------------------------------------------------------------------
+class Int8Reference:
+    """The int8 model's forward over one sequence with its own KV cache, and its greedy decoding. Slow (torch ops,
+    float copies of the int8 weights): it defines what the kernel must compute."""
+
+    def __init__(self, weights: Int8Weights):
+        self.w = weights
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def reset(self) -> None:
+        """An empty KV cache: the next ``forward`` starts a new sequence."""
+        self.keys, self.values = [], []
+
+    @property
+    def length(self) -> int:
+        return int(self.keys[0].shape[1]) if self.keys else 0
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """The next ``ids`` [n] after the cache (causal): (logits [n, vocab], final-normed hidden [n, H],
+        {layer: its output [n, H]} for ``taps``)."""
+        w = self.w
+        n, start = int(ids.numel()), self.length
+        positions = torch.arange(start, start + n)
+        cos, sin = w.rope.rows(positions)
+        visible = torch.arange(start + n)[None] <= positions[:, None]
+        h = w.embedding(ids)
+        nq, nk = w.heads * w.head_dim, w.kv_heads * w.head_dim
+        tapped = {}
+        for index, layer in enumerate(w.layers):
+            qkv = linear(rmsnorm(h, layer.ln1, w.eps), layer.qkv, w._float)
+            q = rotary(qkv[:, :nq].reshape(n, w.heads, w.head_dim), cos, sin)
+            k = rotary(qkv[:, nq:nq + nk].reshape(n, w.kv_heads, w.head_dim), cos, sin)
+            v = qkv[:, nq + nk:].reshape(n, w.kv_heads, w.head_dim)
+            if len(self.keys) <= index:
+                self.keys.append(torch.empty(w.kv_heads, 0, w.head_dim))
+                self.values.append(torch.empty(w.kv_heads, 0, w.head_dim))
+            self.keys[index] = torch.cat([self.keys[index], k.transpose(0, 1)], dim=1)
+            self.values[index] = torch.cat([self.values[index], v.transpose(0, 1)], dim=1)
+            att = attention(q, self.keys[index], self.values[index], visible, w.attn_scale)
+            h = h + linear(att, layer.o, w._float)
+            gu = linear(rmsnorm(h, layer.ln2, w.eps), layer.gate_up, w._float)
+            g, u = gu[:, :w.intermediate], gu[:, w.intermediate:]
+            h = h + linear((g / (_c(1.0) + vexp(-g))) * u, layer.down, w._float)
+            if index in taps:
+                tapped[index] = h
+        normed = rmsnorm(h, w.norm, w.eps)
+        return linear(normed, w.head, w._float), normed, tapped
+
+    def greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids=()) -> list[int]:
+        """The int8 model's greedy continuation of ``prompt`` (a fresh cache), one token per forward, stopping
+        after an ``eos_ids`` token: what every lossless strategy over the int8 target must return."""
+        self.reset()
+        logits, _, _ = self.forward(prompt)
+        out: list[int] = []
+        while len(out) < max_new_tokens:
+            token = int(logits[-1].argmax())
+            out.append(token)
+            if token in eos_ids:
+                break
+            logits, _, _ = self.forward(torch.tensor([token]))
+        return out

@@ -1,0 +1,202 @@
+"""The int8 model against the float32 one and llama.cpp, in one run with one manifest (``model.quantize=int8``).
+
+    python -m mtpflow.tools.int8_bench                                   # all 32 prompts, 128 new tokens
+    python -m mtpflow.tools.int8_bench "peer_gguf=[Q8_0.gguf,Q4_1.gguf]" # llama.cpp at those precisions too
+    python -m mtpflow.tools.int8_bench limit=2 max_new_tokens=32 out=/tmp/int8   # a quick look
+
+What it runs, in this order, in one process (llama.cpp in its own, one after the other):
+1. the host's memory bandwidth: ``torch.sum`` over 1 GiB of float32 at the run's threads, the fastest of 5;
+2. the decode benchmark (``mtpflow.bench``'s, batch 1, greedy): HF generate and float32 ``baseline``, then every
+   strategy of ``strategies`` over the int8 model, each checked token for token against the int8 reference's
+   greedy (``mtpflow.kernels.int8_reference``); llama.cpp (``MTPFLOW_LLAMACPP_PYTHON``) on each ``peer_gguf``;
+3. the batch: ``batch`` requests at once through one engine, float32 ``baseline`` and int8 ``baseline`` and the best
+   int8 strategy of step 2, tokens/s over every prompt, checked against their references;
+4. what int8 costs in agreement with float32, per prompt: the float32 greedy (HF generate's answer from step 2) fed
+   to both models in one forward each: next-token agreement along it and the first position they disagree.
+
+Writes bench_runs.csv, bench_summary.csv, bench_speedup.png (step 2), int8_batch.csv, int8_agreement.csv and
+manifest.json (with the bandwidth, the int8 weight bytes per token and the backend's describe line: the kernel's
+instruction set).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from mtpflow.errors import UserError
+
+DEFAULTS = {
+    "strategies": ["baseline", "pld", "mtp", "suffix_cache", "adaptive", "mtp_heads"],  # over the int8 model
+    "max_new_tokens": 128,
+    "prompts": None,
+    "classes": None,
+    "limit": 0,
+    "repeats": 1,
+    "batch": 16,
+    "out": "bench-results/int8",
+    "overrides": ["trace=off"],
+    "peers": [],  # [llamacpp] with MTPFLOW_LLAMACPP_PYTHON set
+    "peer_gguf": None,  # one file or a list (Q8_0 and Q4_1 of the default model)
+    "model": None,
+}
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+    """GB/s of ``torch.sum`` over ``gib`` GiB of float32 at torch's threads: the fastest of ``repeats`` (the bytes
+    a pass must read, over its time; a shared machine only ever adds time)."""
+    data = torch.ones(int(gib * 2**30 // 4))
+    data.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - t0)
+    return data.numel() * 4 / best / 1e9
+
+
+def batch_rows(loaded_runs, prompts, references, n_new: int, batch: int) -> list[dict]:
+    """Every prompt through one engine at ``max_batch_size=batch`` for each (label, strategy, overrides) of
+    ``loaded_runs``: tokens/s over the whole suite and how many outputs equal ``references[label]``."""
+    from mtpflow.config import compose
+    from mtpflow.engine import Engine
+    from mtpflow.request import Request
+
+    rows = []
+    for label, strategy, overrides, reference in loaded_runs:
+        cfg = compose([f"strategy={strategy}", f"max_new_tokens={n_new}", f"max_batch_size={batch}",
+                       "prefix_cache_mb=0", *overrides])
+        engine = Engine(cfg)
+        try:
+            engine.generate([Request(prompt_ids=p, max_new_tokens=8) for p in prompts[:2]])  # warm-up
+            t0 = time.perf_counter()
+            results = engine.generate([Request(prompt_ids=p) for p in prompts])
+            seconds = time.perf_counter() - t0
+        finally:
+            engine.close()
+        tokens = sum(len(r.token_ids) for r in results)
+        same = sum(r.token_ids == want for r, want in zip(results, references[reference]))
+        rows.append({"setting": label, "strategy": strategy, "batch": batch, "prompts": len(prompts),
+                     "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+                     "identical": f"{same}/{len(prompts)}", "reference": reference})
+    return rows
+
+
+@torch.inference_mode()
+def agreement_rows(float_loaded, int8_loaded, units) -> list[dict]:
+    """Per prompt: along the float32 greedy answer, the share of positions where the int8 model's next token is
+    the float32 model's, and the first position they differ (None: never)."""
+    from mtpflow.kernels.int8_reference import Int8Reference
+
+    reference = Int8Reference(int8_loaded.int8)
+    rows = []
+    for u in units:
+        answer = list(u["reference"])
+        ids = torch.cat([u["ids"], torch.tensor(answer[:-1], dtype=torch.long)])
+        n = int(u["ids"].numel())
+        float_next = float_loaded.model(ids[None]).logits[0, n - 1:].argmax(-1)
+        reference.reset()
+        int8_next = reference.forward(ids)[0][n - 1:].argmax(-1)
+        same = (float_next == int8_next)
+        differ = (~same).nonzero()
+        rows.append({"id": u["id"], "class": u["class"], "positions": int(same.numel()),
+                     "next_token_agreement": round(float(same.float().mean()), 4),
+                     "first_divergence": int(differ[0]) if differ.numel() else None})
+    return rows
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    except Exception as exc:
+        print(f"mtpflow.tools.int8_bench: error: bad arguments: {exc}".splitlines()[0], file=sys.stderr)
+        return 2
+    try:
+        return run(opts, argv)
+    except UserError as exc:
+        print(f"mtpflow.tools.int8_bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run(opts, argv: list[str]) -> int:
+    import pandas as pd
+
+    from mtpflow.errors import writable_folder
+    from mtpflow.tools import bench, manifest
+
+    out = Path(str(opts.out))
+    writable_folder(out)
+    strategies = [str(s) for s in opts.strategies]
+    bench_opts = OmegaConf.merge(OmegaConf.create(bench.DEFAULTS), {
+        "strategies": ["baseline", *[f"{s}|model.quantize=int8" for s in strategies]],
+        "max_new_tokens": int(opts.max_new_tokens), "prompts": opts.prompts, "classes": opts.classes,
+        "limit": int(opts.limit), "repeats": int(opts.repeats), "overrides": list(opts.overrides),
+        "peers": list(opts.peers), "peer_gguf": opts.peer_gguf, "model": opts.model, "out": str(out)})
+    bench.check_options(bench_opts)
+    checked, gguf = {}, None
+    if bench_opts.peers:
+        from mtpflow.tools import peers
+
+        gguf = bench.peer_gguf(bench_opts) if "llamacpp" in bench_opts.peers else None
+        checked = {name: peers.probe(name) for name in bench_opts.peers}
+    bandwidth = memory_bandwidth()
+    print(f"memory bandwidth: {bandwidth:.1f} GB/s (torch.sum over 1 GiB, {torch.get_num_threads()} threads)",
+          file=sys.stderr)
+    suite = bench.load_prompt_suite(bench_opts.prompts, bench_opts.classes, int(bench_opts.limit))
+    kept: dict = {}
+    bench.run_decode_mode(bench_opts, out, argv, suite, checked, gguf, keep=kept)
+    runs = pd.read_csv(out / "bench_runs.csv")
+    summary = pd.read_csv(out / "bench_summary.csv")
+    units = kept["units"]  # their prompt ids, HF's answer (the float32 greedy) and the int8 reference's greedy
+
+    from mtpflow.api import Pipeline
+    from mtpflow.config import compose
+
+    common = [f"max_new_tokens={int(opts.max_new_tokens)}", *list(opts.overrides)]
+    if opts.model:
+        common.append(f"model.name={opts.model}")
+    float_loaded = kept["first"].loaded
+    int8_pipe = Pipeline(compose(["strategy=baseline", *common, "model.quantize=int8"]))  # the run's model (cached)
+    int8_loaded = int8_pipe.loaded
+    int8_rows = runs[(runs["strategy"] == "baseline|model.quantize=int8") & (runs["repeat"] == 0)]
+    best = (summary[(summary["class"] == "overall") & summary["strategy"].str.endswith("|model.quantize=int8")]
+            .sort_values("tokens_per_s").iloc[-1]["strategy"])
+    best_name, best_overrides = bench.strategy_variant(best)
+    batch = batch_rows([("float32 baseline", "baseline", common, "float32"),
+                        ("int8 baseline", "baseline", [*common, "model.quantize=int8"], "int8"),
+                        (f"int8 {best_name}", best_name, [*common, *best_overrides], "int8")],
+                       [u["ids"] for u in units],
+                       {"float32": [u["reference"] for u in units], "int8": [u["int8_reference"] for u in units]},
+                       int(opts.max_new_tokens), int(opts.batch))
+    pd.DataFrame(batch).to_csv(out / "int8_batch.csv", index=False)
+    agreement = pd.DataFrame(agreement_rows(float_loaded, int8_loaded, units))
+    agreement.to_csv(out / "int8_agreement.csv", index=False)
+
+    weights = int8_loaded.int8
+    facts = {"memory_bandwidth_gbs": round(bandwidth, 2),
+             "bandwidth_method": f"torch.sum over 1 GiB float32, {torch.get_num_threads()} threads, fastest of 5",
+             "int8_weight_bytes_per_token": weights.nbytes,
+             "int8_backend": int8_pipe.backend.describe(),
+             "int8_baseline_identical": f"{int(int8_rows['identical'].sum())}/{len(int8_rows)}",
+             "best_int8_strategy": best,
+             "next_token_agreement_mean": round(float(agreement["next_token_agreement"].mean()), 4),
+             "prompts_never_diverging": int(agreement["first_divergence"].isna().sum())}
+    record = manifest.load(out / manifest.NAME)
+    record["command"] = " ".join(["python", "-m", "mtpflow.tools.int8_bench", *argv])
+    record["int8"] = facts
+    files = [*record["files"], "int8_batch.csv", "int8_agreement.csv"]
+    manifest.write(out, {k: v for k, v in record.items() if k != "files"}, files)
+    print(pd.DataFrame(batch).to_string(index=False))
+    print(f"\nagreement with float32: next-token {facts['next_token_agreement_mean']:.3f} on average; "
+          f"{facts['prompts_never_diverging']}/{len(agreement)} prompts never diverge; "
+          f"median first divergence at position {agreement['first_divergence'].median()}")
+    print(f"int8 weights: {weights.nbytes / 1e6:.1f} MB per token; bandwidth {bandwidth:.1f} GB/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
