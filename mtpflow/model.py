@@ -193,6 +193,8 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
         raise UserError(f"cannot load model {name!r}: {first}") from None
     model.to(dev).eval()
     int8 = quantize_int8(model) if check_quantize(quantize) else None  # the int8 model; its float weights freed
+    if int8 is not None:
+        torch_dtype = torch.float32  # what is left of the float model (norms, an own embedding) now is
     eos = model.generation_config.eos_token_id
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:

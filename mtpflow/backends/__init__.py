@@ -31,10 +31,10 @@ def check_name(name) -> str:
 
 
 def quantize_int8(model) -> Int8Weights:
-    """``model`` (a Llama-family float32 model on the CPU) as the int8 model (``mtpflow.kernels.int8_reference``),
+    """``model`` (a Llama-family model on the CPU: float32, bfloat16 or float16) as the int8 model (``mtpflow.kernels.int8_reference``),
     its float32 decoder and head weights freed; a one-line UserError where the ``native_cpu`` backend cannot run
     it."""
-    return native_int8.quantize_model(model, native_cpu.not_applicable(model))
+    return native_int8.quantize_model(model, native_cpu.not_applicable(model, native_int8.SOURCE_DTYPES))
 
 
 def create(model, name: str = "auto", int8: Int8Weights | None = None, certified_head: bool = True,

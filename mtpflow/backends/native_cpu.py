@@ -37,13 +37,15 @@ from mtpflow.types import Verification
 LLAMA = "transformers.models.llama.modeling_llama"
 
 
-def not_applicable(model) -> str | None:
-    """Why this backend cannot run ``model`` (one line), or None where it can."""
+def not_applicable(model, dtypes=(torch.float32,)) -> str | None:
+    """Why this backend cannot run ``model`` (one line), or None where it can. ``dtypes``: the weight dtypes
+    accepted (the int8 model is made from float32, bfloat16 or float16 weights)."""
     param = next(model.parameters())
     if param.device.type != "cpu":
         return f"it runs on the CPU and the model is on {param.device}"
-    if param.dtype != torch.float32:
-        return f"it runs float32 weights and the model is {str(param.dtype).replace('torch.', '')}"
+    if param.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        return f"it runs {names} weights and the model is {str(param.dtype).replace('torch.', '')}"
     if param.is_inference():
         return "the weights were created under torch.inference_mode() (their in-place changes cannot be tracked)"
     if not native_linear.available():

@@ -16,6 +16,7 @@ strategy asks for) and the self-draft.
 from __future__ import annotations
 
 import ctypes
+import gc
 import time
 
 import torch
@@ -29,6 +30,9 @@ from mtpflow.types import Verification
 
 # prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
 PREFILL_ROWS = 256
+# the weights an int8 model is made from: a model too large for the memory in float32 loads in bfloat16
+# (model.dtype=bfloat16) and is quantized layer by layer
+SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Int8Rows(torch.nn.Module):
@@ -57,18 +61,31 @@ def quantize_model(model, reason: str | None) -> Int8Weights:
     ``model`` (``native_cpu.not_applicable``), a one-line UserError then."""
     if reason is not None:
         raise UserError(f"model.quantize=int8 does not apply to this model: {reason}")
-    weights = int8_model(model)
-    inner = model.model
-    with torch.no_grad():
-        for block in inner.layers[: model.config.num_hidden_layers]:
-            for m in (block.self_attn.q_proj, block.self_attn.k_proj, block.self_attn.v_proj, block.self_attn.o_proj,
-                      block.mlp.gate_proj, block.mlp.up_proj, block.mlp.down_proj):
+    def release(module) -> None:  # each layer's float weights go as soon as its int8 ones exist
+        for m in module.modules():
+            if isinstance(m, torch.nn.Linear):
                 m.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+
+    inner = model.model
+    weights = int8_model(model, release)
+    with torch.no_grad():
         rows = Int8Rows(weights.head)
         model.lm_head = rows
         if weights.embed is None:  # tied
             inner.embed_tokens = rows
+        model.float()  # what is left (norms, an embedding of its own) as the int8 model reads it: float32
+    _return_freed_memory()
     return weights
+
+
+def _return_freed_memory() -> None:
+    """Hand the freed float weights' pages back to the system (glibc keeps freed heap memory otherwise: the
+    process would stay as large as the float model)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _pointers(tensors):

@@ -145,45 +145,57 @@ class Int8Weights:
                                       for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
 
-def quantize_model(model) -> Int8Weights:
-    """The int8 model of a Llama-family float32 ``model`` (callers check it applies: the ``native_cpu`` backend's
-    ``not_applicable``). Reads the float weights; does not change them (``backends.native_int8.quantize_model``
-    then drops them)."""
+def _packed_bytes(*weights: torch.Tensor) -> int:
+    """Bytes of the packed int8 weight ``Int8Linear.of(*weights)`` makes (``native_linear.pack_q8``)."""
+    from mtpflow.kernels.native_linear import Q8_NB, Q8_STEP
+
+    n, k = sum(int(w.shape[0]) for w in weights), int(weights[0].shape[1])
+    return -(-n // Q8_NB) * Q8_NB * -(-k // Q8_STEP) * Q8_STEP
+
+
+def quantize_model(model, release=None) -> Int8Weights:
+    """The int8 model of a Llama-family ``model`` (float32, bfloat16 or float16 weights; callers check it applies:
+    the ``native_cpu`` backend's ``not_applicable``). The int8 weights go into one buffer, in the order a forward
+    reads them: the kernel then streams one region from memory (docs/bench/int8_dec04.md#kernel-figures has what
+    the layout measured). ``release(module)``: called
+    with each decoder layer once it is quantized, then with the LM head: where the caller frees their weights, the
+    process never holds the whole model twice (the buffer's pages become resident as they are filled)."""
     inner, cfg = model.model, model.config
     blocks = list(inner.layers[: cfg.num_hidden_layers])
+    parts = lambda b: ((b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight),  # noqa: E731
+                       (b.self_attn.o_proj.weight,), (b.mlp.gate_proj.weight, b.mlp.up_proj.weight),
+                       (b.mlp.down_proj.weight,))
+    head_weight = model.lm_head.weight
+    sizes = [_packed_bytes(*group) for b in blocks for group in parts(b)] + [_packed_bytes(head_weight)]
+    buffer = torch.empty(sum(sizes), dtype=torch.int8)
+    at = [0]
+
+    def into_buffer(*weights) -> Int8Linear:
+        lin = Int8Linear.of(*weights)
+        n = lin.q.numel()
+        view = buffer[at[0]:at[0] + n].view(lin.q.shape)
+        view.copy_(lin.q)
+        at[0] += n
+        return Int8Linear(view, lin.scale, lin.wsum, lin.k)
+
     layers = []
     with torch.no_grad():
         for b in blocks:
-            a, m = b.self_attn, b.mlp
-            layers.append(Int8Layer(
-                b.input_layernorm.weight.detach().float().clone(),
-                Int8Linear.of(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight),
-                Int8Linear.of(a.o_proj.weight),
-                b.post_attention_layernorm.weight.detach().float().clone(),
-                Int8Linear.of(m.gate_proj.weight, m.up_proj.weight),
-                Int8Linear.of(m.down_proj.weight)))
-        head = Int8Linear.of(model.lm_head.weight)
+            qkv, o, gate_up, down = (into_buffer(*group) for group in parts(b))
+            layers.append(Int8Layer(b.input_layernorm.weight.detach().float().clone(), qkv, o,
+                                    b.post_attention_layernorm.weight.detach().float().clone(), gate_up, down))
+            if release is not None:
+                release(b)
+        head = into_buffer(head_weight)
         embed_weight = inner.embed_tokens.weight
-        tied = embed_weight.data_ptr() == model.lm_head.weight.data_ptr()  # then: the int8 head's rows
+        tied = embed_weight.data_ptr() == head_weight.data_ptr()  # then: the int8 head's rows
         embed = None if tied else embed_weight.detach().float()
-    _one_buffer([lin for layer in layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [head])
+        if release is not None:
+            release(model.lm_head)
     first = blocks[0].self_attn
     return Int8Weights(layers, inner.norm.weight.detach().float().clone(), head, embed,
                        float(inner.norm.variance_epsilon), int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
                        int(first.head_dim), int(cfg.intermediate_size), float(first.scaling), Rope(inner.rotary_emb))
-
-
-def _one_buffer(linears: list[Int8Linear]) -> None:
-    """Move the linears' int8 weights into one buffer, in the order a forward reads them (each ``q`` a view): the
-    kernel then streams one region from memory. Separate allocations ran the default model's products at about
-    three quarters of the bandwidth of one (measured: docs/bench/int8.md)."""
-    buffer = torch.empty(sum(lin.q.numel() for lin in linears), dtype=torch.int8)
-    start = 0
-    for lin in linears:
-        n = lin.q.numel()
-        buffer[start:start + n] = lin.q.reshape(-1)
-        lin.q = buffer[start:start + n].view(lin.q.shape)
-        start += n
 
 
 # ----- the operations ---------------------------------------------------------------------------------------------

@@ -12,9 +12,13 @@ What it runs, in this order, in one process (llama.cpp in its own, one after the
 3. the batch: ``batch`` requests at once through one engine, float32 ``baseline`` and int8 ``baseline`` and the best
    int8 strategy of step 2, tokens/s over every prompt, checked against their references;
 4. what int8 costs in agreement with float32, per prompt: the float32 greedy (HF generate's answer from step 2) fed
-   to both models in one forward each: next-token agreement along it and the first position they disagree.
+   to both models in one forward each: next-token agreement along it and the first position they disagree;
+5. the decode phase alone at batch 1, float32 and int8 ``baseline``: each prompt to its first token and to the end,
+   the difference per token after the first; the bytes a step streams (weights, KV cache) over that time, against
+   the bandwidth of step 1.
 
-Writes bench_runs.csv, bench_summary.csv, bench_speedup.png (step 2), int8_batch.csv, int8_agreement.csv and
+Writes bench_runs.csv, bench_summary.csv, bench_speedup.png (step 2), int8_batch.csv, int8_agreement.csv,
+int8_decode_steps.csv and
 manifest.json (with the bandwidth, the int8 weight bytes per token and the backend's describe line: the kernel's
 instruction set).
 """
@@ -82,6 +86,48 @@ def batch_rows(loaded_runs, prompts, references, n_new: int, batch: int) -> list
         rows.append({"setting": label, "strategy": strategy, "batch": batch, "prompts": len(prompts),
                      "tokens": tokens, "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
                      "identical": f"{same}/{len(prompts)}", "reference": reference})
+    return rows
+
+
+def decode_step_rows(settings, units, n_new: int, bandwidth: float) -> list[dict]:
+    """The decode phase alone, batch 1, per (label, overrides, bytes a step reads of weights): each prompt once to
+    its first token (the prefill) and once to ``n_new`` tokens; a step's time is the difference over the tokens
+    after the first. The bytes a step reads: the weights it streams, and its KV cache at the mean context."""
+    from mtpflow.config import compose
+    from mtpflow.engine import Engine
+    from mtpflow.request import Request
+
+    rows = []
+    for label, overrides, weight_bytes in settings:
+        engine = Engine(compose(["strategy=baseline", f"max_new_tokens={n_new}", "prefix_cache_mb=0", *overrides]))
+        try:
+            engine.generate([Request(prompt_ids=units[0]["ids"], max_new_tokens=8)])  # warm-up
+            steps_seconds, steps, contexts = 0.0, 0, []
+            for u in units:
+                t0 = time.perf_counter()
+                engine.generate([Request(prompt_ids=u["ids"], max_new_tokens=1)])
+                first = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                result = engine.generate([Request(prompt_ids=u["ids"])])[0]
+                full = time.perf_counter() - t0
+                n = len(result.token_ids)
+                if n > 1:
+                    steps_seconds += max(full - first, 0.0)
+                    steps += n - 1
+                    contexts.append(int(u["ids"].numel()) + n / 2)
+            cfg = engine.loaded.model.config
+            context = sum(contexts) / max(len(contexts), 1)
+            kv_bytes = int(cfg.num_hidden_layers * 2 * cfg.num_key_value_heads
+                           * (cfg.hidden_size // cfg.num_attention_heads) * 4 * context)
+        finally:
+            engine.close()
+        step = steps_seconds / max(steps, 1)
+        rows.append({"setting": label, "decode_steps": steps, "step_ms": round(1000 * step, 3),
+                     "decode_tokens_per_s": round(1 / step, 2), "weight_mb_per_step": round(weight_bytes / 1e6, 1),
+                     "mean_context": round(context, 1), "kv_mb_per_step": round(kv_bytes / 1e6, 1),
+                     "weights_gbs": round(weight_bytes / step / 1e9, 2),
+                     "weights_and_kv_gbs": round((weight_bytes + kv_bytes) / step / 1e9, 2),
+                     "share_of_bandwidth": round((weight_bytes + kv_bytes) / step / 1e9 / bandwidth, 3)})
     return rows
 
 
@@ -175,6 +221,15 @@ def run(opts, argv: list[str]) -> int:
     pd.DataFrame(batch).to_csv(out / "int8_batch.csv", index=False)
     agreement = pd.DataFrame(agreement_rows(float_loaded, int8_loaded, units))
     agreement.to_csv(out / "int8_agreement.csv", index=False)
+    # the bytes a batch-1 decode step streams: the int8 model's weights; float32's decoder weights and the certified
+    # int8 head it reads for greedy rows (``kernels.certified_head``)
+    layers = float_loaded.model.model.layers
+    float_bytes = 4 * sum(m.weight.numel() for b in layers for m in b.modules() if isinstance(m, torch.nn.Linear))
+    float_bytes += float_loaded.model.lm_head.weight.numel()  # the certified head: one byte per weight
+    steps = pd.DataFrame(decode_step_rows([("float32 baseline", common, float_bytes),
+                                           ("int8 baseline", [*common, "model.quantize=int8"], int8_loaded.int8.nbytes)],
+                                          units, int(opts.max_new_tokens), bandwidth))
+    steps.to_csv(out / "int8_decode_steps.csv", index=False)
 
     weights = int8_loaded.int8
     facts = {"memory_bandwidth_gbs": round(bandwidth, 2),
@@ -188,9 +243,10 @@ def run(opts, argv: list[str]) -> int:
     record = manifest.load(out / manifest.NAME)
     record["command"] = " ".join(["python", "-m", "mtpflow.tools.int8_bench", *argv])
     record["int8"] = facts
-    files = [*record["files"], "int8_batch.csv", "int8_agreement.csv"]
+    files = [*record["files"], "int8_batch.csv", "int8_agreement.csv", "int8_decode_steps.csv"]
     manifest.write(out, {k: v for k, v in record.items() if k != "files"}, files)
     print(pd.DataFrame(batch).to_string(index=False))
+    print(steps.to_string(index=False))
     print(f"\nagreement with float32: next-token {facts['next_token_agreement_mean']:.3f} on average; "
           f"{facts['prompts_never_diverging']}/{len(agreement)} prompts never diverge; "
           f"median first divergence at position {agreement['first_divergence'].median()}")

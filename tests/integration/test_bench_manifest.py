@@ -93,6 +93,40 @@ def test_serve_manifest(tiny_dir, tmp_path):
     assert not any(o.startswith("trace.db=") for o in record["settings"]["server_overrides"])
 
 
+@pytest.mark.skipif(not __import__("mtpflow.kernels.native_linear", fromlist=["x"]).available(),
+                    reason="the int8 model needs the native kernels")
+def test_int8_bench_is_one_run_with_one_manifest(tiny_dir, prompts, tmp_path):
+    """``python -m mtpflow.tools.int8_bench``: the decode rows (float32 baseline, strategies over the int8 model
+    checked against the int8 reference), the batch rows, the agreement with float32, and the manifest naming
+    every file with the bandwidth and the int8 facts."""
+    import pandas as pd
+
+    from mtpflow.tools import int8_bench
+
+    out = tmp_path / "out"
+    args = [f"model={tiny_dir}", f"prompts={prompts}", "limit=1", "strategies=[baseline,pld]", "max_new_tokens=6",
+            "batch=2", "overrides=[trace=off,chat=false]", f"out={out}"]
+    assert int8_bench.main(args) == 0
+    record = json.loads((out / "manifest.json").read_text())
+    assert set(record["files"]) == {"bench_runs.csv", "bench_summary.csv", "bench_speedup.png", "int8_batch.csv",
+                                    "int8_agreement.csv", "int8_decode_steps.csv"}
+    facts = record["int8"]
+    assert facts["memory_bandwidth_gbs"] > 0 and facts["int8_weight_bytes_per_token"] > 0
+    assert facts["int8_backend"].startswith("native_cpu int8 w8a8") and facts["int8_baseline_identical"] == "2/2"
+    assert record["command"].startswith("python -m mtpflow.tools.int8_bench ")
+    summary = pd.read_csv(out / "bench_summary.csv")
+    overall = summary[summary["class"] == "overall"].set_index("strategy")
+    assert overall.loc["baseline|model.quantize=int8", "identical"] == "2/2"
+    assert overall.loc["pld|model.quantize=int8", "identical"] == "2/2"
+    assert overall.loc["baseline", "identical"] == "2/2"  # float32, against HF generate
+    batch = pd.read_csv(out / "int8_batch.csv")
+    assert list(batch["setting"])[:2] == ["float32 baseline", "int8 baseline"] and (batch["identical"] == "2/2").all()
+    agreement = pd.read_csv(out / "int8_agreement.csv")
+    assert len(agreement) == 2 and agreement["next_token_agreement"].between(0, 1).all()
+    steps = pd.read_csv(out / "int8_decode_steps.csv")
+    assert list(steps["setting"]) == ["float32 baseline", "int8 baseline"] and (steps["step_ms"] > 0).all()
+
+
 def test_manifest_pieces_tolerate_a_bare_host(tmp_path):
     """No git checkout, no /proc/cpuinfo flags: nulls, not errors."""
     assert manifest.git_info(tmp_path) == {"commit": None, "dirty": None, "describe": None}

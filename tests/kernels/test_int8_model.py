@@ -160,6 +160,20 @@ def test_every_lossless_strategy_equals_the_int8_reference(heads_dir):
 
 
 @needs_native
+def test_a_bfloat16_model_becomes_the_int8_model_of_its_weights():
+    """A model too large for float32 loads in bfloat16 (model.dtype=bfloat16) and is quantized from those weights:
+    what is left of it is float32, and its decode equals its reference."""
+    loaded = tiny_loaded(seed=5)
+    model = loaded.model.to(torch.bfloat16)
+    weights = backends.quantize_int8(model)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    pipe = make_pipeline(dataclasses.replace(loaded, int8=weights), "pld", "trace=off", "max_new_tokens=20",
+                         "model.quantize=int8", "strategy.propose.costs=null")
+    prompt = [5, 9, 33, 100, 7, 8, 9, 10, 11, 12] * 2
+    assert pipe(prompt_ids=prompt).token_ids == R.Int8Reference(weights).greedy(torch.tensor(prompt), 20, (0,))
+
+
+@needs_native
 def test_quantizing_frees_the_float_weights():
     loaded = tiny_loaded(seed=2)
     model = loaded.model
@@ -178,9 +192,10 @@ def test_quantizing_frees_the_float_weights():
 
 @needs_native
 def test_what_int8_does_not_apply_to_is_one_line():
-    bf16 = make_tiny_model(64, seed=1).to(torch.bfloat16)
-    with pytest.raises(UserError, match="model.quantize=int8 does not apply to this model: it runs float32"):
-        backends.quantize_int8(bf16)
+    wide = make_tiny_model(64, seed=1).to(torch.float64)
+    with pytest.raises(UserError, match="model.quantize=int8 does not apply to this model: it runs float32 or "
+                                        "bfloat16 or float16 weights and the model is float64"):
+        backends.quantize_int8(wide)
     eager = make_tiny_model(64, seed=1)
     eager.config._attn_implementation = "eager"
     with pytest.raises(UserError, match="model.quantize=int8 does not apply to this model: it runs Llama-family"):
