@@ -50,6 +50,10 @@ class Int8Rows(torch.nn.Module):
     def weight(self) -> torch.Tensor:
         return self.head.dequantized()
 
+    def select(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float rows ``ids`` [len(ids), hidden] (``q * scale`` of those rows only)."""
+        return self.head.dequantized(ids)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.dequantized(ids).view(*ids.shape, -1)
 

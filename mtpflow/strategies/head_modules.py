@@ -179,12 +179,29 @@ def unroll(drafter: EagleDrafter, features: torch.Tensor, token_embeddings: torc
     return outs
 
 
+def output_size(model) -> int:
+    """The model's vocabulary as its LM head has it (without reading the weight: the int8 model's head makes its
+    float table on each read)."""
+    head = model.get_output_embeddings()
+    size = getattr(head, "out_features", None)
+    return int(size) if size is not None else int(head.weight.shape[0])
+
+
+def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of the model's LM head weight, float32 (the int8 model's head dequantizes only those)."""
+    head = model.get_output_embeddings()
+    if hasattr(head, "select"):
+        return head.select(ids.long())
+    return head.weight.detach()[ids.long()].float()
+
+
 class DraftVocabHead:
     """The target's LM head restricted to the draft vocabulary: features -> logits over draft tokens."""
 
-    def __init__(self, lm_head_weight: torch.Tensor, draft_ids: torch.Tensor):
+    def __init__(self, rows: torch.Tensor, draft_ids: torch.Tensor):
+        """``rows``: the LM head's weight rows of ``draft_ids`` [draft_vocab, hidden] (``head_rows``)."""
         self.draft_ids = draft_ids.long()  # [draft_vocab] target token id of each draft token
-        self.weight = lm_head_weight.detach()[self.draft_ids].float()  # [draft_vocab, hidden]
+        self.weight = rows.detach().float()  # [draft_vocab, hidden]
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         # a few rows against 4096 x hidden: bound by reading the weight, which the native row kernel reads once
@@ -246,7 +263,7 @@ def check_matches(config: dict, model, where: str, taps: tuple[int, ...] | None 
     """UserError when heads were trained for a model of another shape, or (EAGLE-3) on other layers than the
     ``taps`` the strategy's forwards return."""
     hidden = int(model.config.hidden_size)
-    vocab = int(model.get_output_embeddings().weight.shape[0])
+    vocab = output_size(model)
     if config.get("hidden_size") != hidden or config.get("vocab_size") != vocab:
         raise UserError(f"heads in {where} were trained for {config.get('model_id')!r} (hidden "
                         f"{config.get('hidden_size')}, vocab {config.get('vocab_size')}); this model has hidden "

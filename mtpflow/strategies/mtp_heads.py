@@ -15,7 +15,8 @@ from mtpflow.errors import ConfigError, UserError
 from mtpflow.hookspecs import hookimpl
 from mtpflow.strategies.graft import graft_tree
 from mtpflow.strategies.head_modules import (
-    CONFIG_NAME, KINDS, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, load_heads, normalized_entropy,
+    CONFIG_NAME, KINDS, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, head_rows, load_heads,
+    normalized_entropy,
 )
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
@@ -202,7 +203,7 @@ class MTPHeadsProposer:
         self.width = int(model.config.hidden_size) * (len(config["taps"]) if self.kind == "eagle3" else 1)
         device = next(model.parameters()).device
         self.module = module.to(device)
-        self.lm = DraftVocabHead(model.get_output_embeddings().weight.to(device), draft_ids.to(device))
+        self.lm = DraftVocabHead(head_rows(model, draft_ids).to(device), draft_ids.to(device))
         self.embed = model.get_input_embeddings()
         self.device = device
         self._reset_cache()

@@ -278,6 +278,8 @@ def _vocab_size(context) -> int:
     model = context.model
     if model is not None:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if head is not None and getattr(head, "out_features", None) is not None:
+            return int(head.out_features)
         if head is not None and hasattr(head, "weight"):
             return int(head.weight.shape[0])
         size = getattr(getattr(model, "config", None), "vocab_size", None)

@@ -24,7 +24,8 @@ from omegaconf import OmegaConf
 SHAPE = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
          "num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": True,
          "max_position_embeddings": 4096, "rope_theta": 500000.0}
-DEFAULTS = {"out": "bench-results/realsize", "context": 128, "repeats": 3, "precisions": ["float32", "int8"]}
+DEFAULTS = {"out": "bench-results/realsize", "context": 128, "repeats": 3, "precisions": ["float32", "int8"],
+            "shape": SHAPE}  # shape.KEY=VALUE changes one dimension (the tests run a tiny one)
 BATCHES, ROWS = (1, 16), (1, 4)
 
 
@@ -39,7 +40,7 @@ def _status(field: str) -> float:
     return 0.0
 
 
-def one(precision: str, context: int, repeats: int) -> dict:
+def one(precision: str, context: int, repeats: int, shape: dict) -> dict:
     """Build, (quantize,) time and measure one precision in this process."""
     import time
 
@@ -51,7 +52,7 @@ def one(precision: str, context: int, repeats: int) -> dict:
     torch.manual_seed(0)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model = LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
+        model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     params = sum(p.numel() for p in model.parameters())
     int8 = backends.quantize_int8(model) if precision == "int8" else None
     backend = backends.create(model, "auto", int8=int8)
@@ -73,8 +74,8 @@ def one(precision: str, context: int, repeats: int) -> dict:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--one"]:
-        precision, context, repeats = argv[1], int(argv[2]), int(argv[3])
-        print(json.dumps(one(precision, context, repeats)), flush=True)
+        precision, context, repeats, shape = argv[1], int(argv[2]), int(argv[3]), json.loads(argv[4])
+        print(json.dumps(one(precision, context, repeats, shape)), flush=True)
         return 0
     import pandas as pd
 
@@ -82,12 +83,14 @@ def main(argv=None) -> int:
     from mtpflow.tools import manifest
 
     opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
+    shape = OmegaConf.to_container(opts.shape)
     out = Path(str(opts.out))
     writable_folder(out)
     rows = []
     for precision in opts.precisions:
         done = subprocess.run([sys.executable, "-m", "mtpflow.tools.realsize", "--one", str(precision),
-                               str(int(opts.context)), str(int(opts.repeats))], capture_output=True, text=True)
+                               str(int(opts.context)), str(int(opts.repeats)), json.dumps(shape)],
+                              capture_output=True, text=True)
         if done.returncode != 0:
             print(f"mtpflow.tools.realsize: error: {precision}: {done.stderr.strip().splitlines()[-1:]}",
                   file=sys.stderr)
@@ -100,7 +103,7 @@ def main(argv=None) -> int:
               f"batch-1 step {f32['ms_b1_rows1'] / i8['ms_b1_rows1']:.2f}x faster, "
               f"batch-16 step {f32['ms_b16_rows1'] / i8['ms_b16_rows1']:.2f}x faster")
     table.to_csv(out / "realsize.csv", index=False)
-    record = manifest.collect("realsize", argv, model={"shape": SHAPE, "weights": "random (torch.manual_seed(0))"},
+    record = manifest.collect("realsize", argv, model={"shape": shape, "weights": "random (torch.manual_seed(0))"},
                               settings=OmegaConf.to_container(opts))
     record["command"] = " ".join(["python", "-m", "mtpflow.tools.realsize", *argv])
     manifest.write(out, record, ["realsize.csv"])

@@ -127,6 +127,28 @@ def test_int8_bench_is_one_run_with_one_manifest(tiny_dir, prompts, tmp_path):
     assert list(steps["setting"]) == ["float32 baseline", "int8 baseline"] and (steps["step_ms"] > 0).all()
 
 
+@pytest.mark.skipif(not __import__("mtpflow.kernels.native_linear", fromlist=["x"]).available(),
+                    reason="the int8 model needs the native kernels")
+def test_the_real_size_check_runs_each_precision_in_its_own_process(tmp_path):
+    """``python -m mtpflow.tools.realsize`` on a tiny shape: a row per precision with step times at batch 1 and 16
+    and resident sizes, the int8 one on the int8 backend; a manifest naming the CSV."""
+    import pandas as pd
+
+    from mtpflow.tools import realsize
+
+    out = tmp_path / "out"
+    tiny = ["shape.num_hidden_layers=2", "shape.hidden_size=64", "shape.intermediate_size=128",
+            "shape.num_attention_heads=4", "shape.num_key_value_heads=2", "shape.vocab_size=300"]
+    assert realsize.main([*tiny, "context=8", "repeats=1", f"out={out}"]) == 0
+    table = pd.read_csv(out / "realsize.csv").set_index("precision")
+    assert table.loc["int8", "backend"].startswith("native_cpu int8 w8a8")
+    assert table.loc["float32", "backend"].startswith("native_cpu float32")
+    for column in ("ms_b1_rows1", "ms_b16_rows4", "rss_after_steps_mb", "peak_rss_mb"):
+        assert (table[column] > 0).all(), column
+    record = json.loads((out / "manifest.json").read_text())
+    assert set(record["files"]) == {"realsize.csv"} and record["model"]["shape"]["hidden_size"] == 64
+
+
 def test_manifest_pieces_tolerate_a_bare_host(tmp_path):
     """No git checkout, no /proc/cpuinfo flags: nulls, not errors."""
     assert manifest.git_info(tmp_path) == {"commit": None, "dirty": None, "describe": None}
