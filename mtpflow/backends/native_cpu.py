@@ -22,7 +22,6 @@ memory), which the fused products read; panel copies, int8 copies and the certif
 """
 from __future__ import annotations
 
-import ctypes
 import time
 
 import torch
@@ -114,10 +113,6 @@ class _Fused:
         """Changes whenever the values change in place: through a part (each parameter keeps its own version
         counter after its data became a view) or through the fused weight."""
         return (self.weight._version, *(p._parameters["weight"]._version for p in self.parts))
-
-
-def _pointers(tensors):
-    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
 
 
 class NativeProducts(lean_forward.Products):
@@ -299,10 +294,10 @@ class _RowSpec:
         # what tells each product's weight changed in place (a fused weight: its parts' counters too)
         self.version_of = [[f for f in backend.qkv], [b.self_attn.o_proj for b in layers],
                            [f for f in backend.gate_up], [b.mlp.down_proj for b in layers]]
-        qkv, o, gu, down = (_pointers(ws) for ws in self.weights_by_product)
-        self.weights = (_pointers([b.input_layernorm.weight for b in layers]), qkv, o,
-                        _pointers([b.post_attention_layernorm.weight for b in layers]), gu, down)
-        self._kv = (None, None, None)  # (the pool's key list, key pointers, value pointers)
+        qkv, o, gu, down = (native_linear.pointers(ws) for ws in self.weights_by_product)
+        self.weights = (native_linear.pointers([b.input_layernorm.weight for b in layers]), qkv, o,
+                        native_linear.pointers([b.post_attention_layernorm.weight for b in layers]), gu, down)
+        self.kv = native_linear.PoolPointers()  # the pool's key and value pointer arrays
         self._panels = None  # (the weights' versions, the panel pointer arrays)
         self._q8 = None  # (the weights' versions, int8 copies, their pointer arrays): ``int8`` builds it
 
@@ -326,7 +321,7 @@ class _RowSpec:
         versions = self._versions()
         if self._q8 is None or self._q8[0] != versions:
             copies = [[native_linear.quantize_int8(w) for w in ws] for ws in self.weights_by_product]
-            pointers = tuple(p for cs in copies for p in (_pointers([q for q, _ in cs]), _pointers([s for _, s in cs])))
+            pointers = tuple(p for cs in copies for p in (native_linear.pointers([q for q, _ in cs]), native_linear.pointers([s for _, s in cs])))
             self._q8 = (versions, copies, pointers)
         return self._q8[2]
 
@@ -344,18 +339,10 @@ class _RowSpec:
             return (None,) * 4
         versions = self._versions()
         if self._panels is None or self._panels[0] != versions:
-            self._panels = (versions, tuple(_pointers([self.backend.panels(w, self._version(o))
+            self._panels = (versions, tuple(native_linear.pointers([self.backend.panels(w, self._version(o))
                                                        for w, o in zip(ws, os_)])
                                             for ws, os_ in zip(self.weights_by_product, self.version_of)))
         return self._panels[1]
-
-    def kv(self, pool):
-        """Pointer arrays to every layer's key and value buffer (rebuilt when the pool grows)."""
-        keys, k, v = self._kv
-        if keys is not pool.keys:
-            k, v = _pointers(pool.keys), _pointers(pool.values)
-            self._kv = (pool.keys, k, v)
-        return k, v
 
     def run(self, pool, ids, positions, slots, wpos, prefix, first, count, allowed, argmax_only=False, int8=False):
         """``mtpflow_llama_rows`` over the rows described (lists of ints, one entry per row; ``allowed`` a uint8

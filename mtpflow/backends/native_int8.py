@@ -92,10 +92,6 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _pointers(tensors):
-    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
-
-
 class NativeInt8Backend(Backend):
     """Every forward of the int8 model through ``mtpflow_w8a8_rows``; see the module docstring."""
 
@@ -109,25 +105,18 @@ class NativeInt8Backend(Backend):
         self.w = w = weights
         layers = w.layers
         lin = {name: [getattr(layer, name) for layer in layers] for name in ("qkv", "o", "gate_up", "down")}
-        self._arrays = {"ln1": _pointers([layer.ln1 for layer in layers]),
-                        "ln2": _pointers([layer.ln2 for layer in layers])}
+        self._arrays = {"ln1": native_linear.pointers([layer.ln1 for layer in layers]),
+                        "ln2": native_linear.pointers([layer.ln2 for layer in layers])}
         for key, name in (("qkv", "qkv"), ("o", "o"), ("gu", "gate_up"), ("d", "down")):
-            self._arrays["w" + key] = _pointers([x.q for x in lin[name]])
-            self._arrays["s" + key] = _pointers([x.scale for x in lin[name]])
-            self._arrays["z" + key] = _pointers([x.wsum for x in lin[name]])
+            self._arrays["w" + key] = native_linear.pointers([x.q for x in lin[name]])
+            self._arrays["s" + key] = native_linear.pointers([x.scale for x in lin[name]])
+            self._arrays["z" + key] = native_linear.pointers([x.wsum for x in lin[name]])
         first = layers[0]
         self._dims = dict(L=len(layers), H=w.hidden, nh=w.heads, nkv=w.kv_heads, d=w.head_dim, I=w.intermediate,
                           kp_h=first.qkv.kp, kp_q=first.o.kp, kp_i=first.down.kp)
-        self._kv = (None, None, None)
+        self.kv = native_linear.PoolPointers()
 
     # ----- the kernel ---------------------------------------------------------------------------------------
-    def _kv_pointers(self, pool):
-        keys, k, v = self._kv
-        if keys is not pool.keys:
-            k, v = _pointers(pool.keys), _pointers(pool.values)
-            self._kv = (pool.keys, k, v)
-        return k, v
-
     def run(self, pool, ids, positions, slots, wpos, prefix, count, allowed, taps=(), head_from: int | None = 0,
             layers: int | None = None):
         """``mtpflow_w8a8_rows`` over rows described as for ``mtpflow_llama_rows`` (lists of ints, one per row;
@@ -136,7 +125,7 @@ class NativeInt8Backend(Backend):
         [rows, H * len(taps)] or None: layer outputs, -1 the final-normed state). ``layers``: the first ``layers``
         layers only, then the final norm and the head."""
         pool.ensure(max(w + 1 for w in wpos))
-        keys, values = self._kv_pointers(pool)
+        keys, values = self.kv(pool)
         h = self.w.embedding(ids).contiguous()
         cos, sin = self.w.rope.rows(positions)
         m = len(slots)
@@ -151,7 +140,8 @@ class NativeInt8Backend(Backend):
         ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, count)]
         code = native_linear.w8a8_rows(
             self.lib, h=h.data_ptr(), normed=normed.data_ptr(), taps=ctypes.addressof(tap_array) if tap_array else None,
-            M=m, **{**self._dims, "L": layers or self._dims["L"]}, **self._arrays, norm_w=self.w.norm.data_ptr(), eps=self.w.eps, kc=keys, vc=values,
+            M=m, **{**self._dims, "L": layers or self._dims["L"]}, **self._arrays, norm_w=self.w.norm.data_ptr(),
+            eps=self.w.eps, kc=keys, vc=values,
             cap=pool.capacity, slot=ints[0].data_ptr(), wpos=ints[1].data_ptr(), prefix=ints[2].data_ptr(),
             count=ints[3].data_ptr(), allowed=allowed.data_ptr(), qmax=allowed.shape[1], cos=cos.data_ptr(),
             sin=sin.data_ptr(), scale=self.w.attn_scale, threads=torch.get_num_threads(),

@@ -156,7 +156,7 @@ def _packed_bytes(*weights: torch.Tensor) -> int:
 def quantize_model(model, release=None) -> Int8Weights:
     """The int8 model of a Llama-family ``model`` (float32, bfloat16 or float16 weights; callers check it applies:
     the ``native_cpu`` backend's ``not_applicable``). The int8 weights go into one buffer, in the order a forward
-    reads them: the kernel then streams one region from memory (docs/bench/int8_dec04.md#kernel-figures has what
+    reads them: the kernel then streams one region from memory (docs/bench/int8_dec05.md#kernel-figures has what
     the layout measured). ``release(module)``: called
     with each decoder layer once it is quantized, then with the LM head: where the caller frees their weights, the
     process never holds the whole model twice (the buffer's pages become resident as they are filled)."""

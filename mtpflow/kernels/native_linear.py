@@ -133,6 +133,26 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
+def pointers(tensors) -> ctypes.Array:
+    """A C array of the tensors' data pointers (a struct member of type ``const T *const *``)."""
+    return (ctypes.c_void_p * len(tensors))(*[t.data_ptr() for t in tensors])
+
+
+class PoolPointers:
+    """The pointer arrays of a KV pool's per-layer key and value buffers, made again only when the pool grows (its
+    buffers are then new tensors)."""
+
+    def __init__(self):
+        self._held = (None, None, None)  # (the pool's key list, key pointers, value pointers)
+
+    def __call__(self, pool) -> tuple[ctypes.Array, ctypes.Array]:
+        keys, k, v = self._held
+        if keys is not pool.keys:
+            k, v = pointers(pool.keys), pointers(pool.values)
+            self._held = (pool.keys, k, v)
+        return k, v
+
+
 ROWS_ABI = 1  # MTPFLOW_ROWS_ABI in small_gemm.c, of the struct RowsArgs mirrors: change both together
 ROWS_BAD_ABI = -2  # what mtpflow_llama_rows returns for a struct of another version or size (MTPFLOW_ROWS_BAD_ABI)
 

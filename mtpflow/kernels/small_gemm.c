@@ -595,8 +595,8 @@ int mtpflow_llama_rows(const struct mtpflow_rows_args *a) {
  * - Weights: int8 q[n][k] with one float scale per output feature (symmetric, |q| <= 127), each row padded with
  *   zeros to kp = a multiple of 64 columns (Q8_STEP), and wsum[n] = sum_k q[n][k]; laid out in blocks of Q8_NB rows
  *   (zero rows past N), each block [kp / 64][Q8_NB][64], so that the threads read the weights as sequential
- *   streams: at batch 1 that read is the whole cost (row after row, four rows at a time, ran at about half the
- *   bandwidth; measured: docs/bench/int8.md).
+ *   streams: at batch 1 that read is the whole cost (four rows at a time in row-major order read at about a
+ *   third of the packed layout's rate; measured: docs/bench/int8_dec05.md#kernel-figures).
  * - Activations: each row of a product's input quantized on its own: s = max|x| / 127 (1 for a row of zeros),
  *   xq = round-half-even(x / s) clamped to +-127. A row's result never depends on the other rows in the call,
  *   so a batched verify gives exactly what its rows give one at a time.
@@ -883,9 +883,10 @@ int mtpflow_w8a8_abi(void) { return MTPFLOW_W8A8_ABI; }
 int mtpflow_w8a8_args_size(void) { return (int)sizeof(struct mtpflow_w8a8_args); }
 
 /* The threads of one mtpflow_w8a8_rows call wait for each other between its steps on this barrier: they spin (a
- * pause per turn) rather than sleep. At batch 1 a step of the default model is some 150 products of 0.3 to 2 MB
+ * pause per turn) rather than sleep. At batch 1 a step of the default model is some 120 products of 0.3 to 2 MB
  * with a few microseconds of other work between them; an OpenMP region per product, whose idle threads go to
- * sleep and are woken again, ran the whole forward a third slower (measured: docs/bench/int8.md). The call holds
+ * sleep and are woken again, took about 1.5 times as long for the whole forward (measured:
+ * docs/bench/int8_dec05.md#kernel-figures). The call holds
  * its threads for its whole length only: between calls they are OpenMP's again. */
 struct spin_barrier {
     int count, generation;

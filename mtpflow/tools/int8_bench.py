@@ -226,9 +226,9 @@ def run(opts, argv: list[str]) -> int:
     layers = float_loaded.model.model.layers
     float_bytes = 4 * sum(m.weight.numel() for b in layers for m in b.modules() if isinstance(m, torch.nn.Linear))
     float_bytes += float_loaded.model.lm_head.weight.numel()  # the certified head: one byte per weight
-    steps = pd.DataFrame(decode_step_rows([("float32 baseline", common, float_bytes),
-                                           ("int8 baseline", [*common, "model.quantize=int8"], int8_loaded.int8.nbytes)],
-                                          units, int(opts.max_new_tokens), bandwidth))
+    settings = [("float32 baseline", common, float_bytes),
+                ("int8 baseline", [*common, "model.quantize=int8"], int8_loaded.int8.nbytes)]
+    steps = pd.DataFrame(decode_step_rows(settings, units, int(opts.max_new_tokens), bandwidth))
     steps.to_csv(out / "int8_decode_steps.csv", index=False)
 
     weights = int8_loaded.int8

@@ -358,28 +358,21 @@ def test_the_int8_model_matches_its_reference_bit_for_bit(builds, build):
 # ----- the versioned struct ----------------------------------------------------------------------------------
 
 def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
-    """Every member of RowsArgs at the offset C gives it (a struct of the same size with two members swapped
-    would pass the size check)."""
+    """Every member of RowsArgs and W8A8Args at the offset C gives it (a struct of the same size with two members
+    swapped would pass the size check)."""
     if CC is None:
         pytest.skip("no C compiler")
-    names = [name for name, _ in native_linear.RowsArgs._fields_]
-    helper = tmp_path / "offsets.c"
-    helper.write_text(f'#include <stddef.h>\n#include "{native_linear.SOURCE}"\n'
-                      "long offsets[] = {" + ", ".join(f"offsetof(struct mtpflow_rows_args, {n})" for n in names)
-                      + "};\n")
-    out = tmp_path / "offsets.so"
-    assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), helper)
-    offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
-    assert offsets == [getattr(native_linear.RowsArgs, n).offset for n in names]
+    for struct, mirror in (("mtpflow_rows_args", native_linear.RowsArgs),
+                           ("mtpflow_w8a8_args", native_linear.W8A8Args)):
+        names = [name for name, _ in mirror._fields_]
+        helper = tmp_path / f"{struct}.c"
+        helper.write_text(f'#include <stddef.h>\n#include "{native_linear.SOURCE}"\n'
+                          "long offsets[] = {" + ", ".join(f"offsetof(struct {struct}, {n})" for n in names) + "};\n")
+        out = tmp_path / f"{struct}.so"
+        assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), helper)
+        offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
+        assert offsets == [getattr(mirror, n).offset for n in names], struct
     assert native_linear.ROWS_VALUES == 43  # what the caller passes after the library
-    names = [name for name, _ in native_linear.W8A8Args._fields_]  # the int8 model's struct, the same way
-    helper.write_text(f'#include <stddef.h>\n#include "{native_linear.SOURCE}"\n'
-                      "long offsets[] = {" + ", ".join(f"offsetof(struct mtpflow_w8a8_args, {n})" for n in names)
-                      + "};\n")
-    out = tmp_path / "offsets8.so"
-    assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), helper)
-    offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
-    assert offsets == [getattr(native_linear.W8A8Args, n).offset for n in names]
 
 
 @needs_cc
