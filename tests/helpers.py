@@ -82,6 +82,21 @@ def save_tiny_model(folder, seed: int = 0):
     return folder
 
 
+def save_tiny_gemma(folder):
+    """A tiny random Gemma 3 and the tiny tokenizer saved as a model folder: a model the native backends decline
+    (its layers are not Llama's); returns the folder."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tok = make_tiny_tokenizer()
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                              max_position_embeddings=256, sliding_window=64, eos_token_id=0, pad_token_id=0,
+                              bos_token_id=None)
+    Gemma3ForCausalLM(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
 def tiny_loaded(seed: int = 0, **kwargs):
     from mtpflow.model import LoadedModel
 

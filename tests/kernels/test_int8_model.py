@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import make_pipeline, make_tiny_model, make_tiny_tokenizer, tiny_loaded
+from helpers import make_pipeline, make_tiny_model, save_tiny_gemma, tiny_loaded
 from mtpflow import backends
 from mtpflow.config import available_strategies, compose
 from mtpflow.errors import UserError
@@ -207,19 +207,6 @@ def test_what_int8_does_not_apply_to_is_one_line():
             backends.create(model, name, int8=weights)
 
 
-def _tiny_gemma(path):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    tok = make_tiny_tokenizer()
-    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                              max_position_embeddings=256, sliding_window=64, eos_token_id=0, pad_token_id=0,
-                              bos_token_id=None)
-    Gemma3ForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("argv, message", [
     (["model.quantize=int4"], "model.quantize must be null or one of int8, got 'int4'"),
     (["model.quantize=int8", "model.backend=hf"], "model.quantize=int8 runs on the native_cpu backend"),
@@ -232,7 +219,7 @@ def test_bad_int8_settings_are_one_line_exit_2(argv, message, tmp_path):
     if any("GEMMA" in a for a in argv):
         if not native_linear.available():
             pytest.skip("no C compiler: the message would name the kernel, not the model")
-        argv = [a.replace("GEMMA", str(_tiny_gemma(tmp_path / "gemma"))) for a in argv]
+        argv = [a.replace("GEMMA", str(save_tiny_gemma(tmp_path / "gemma"))) for a in argv]
     out = subprocess.run([sys.executable, "-m", "mtpflow", "prompt=hi", "trace=off", "max_new_tokens=4", *argv],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]

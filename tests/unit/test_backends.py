@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import make_tiny_model, make_tiny_tokenizer, tiny_loaded
+from helpers import make_tiny_model, save_tiny_gemma, tiny_loaded
 from mtpflow import backends
 from mtpflow.backends import native_cpu
 from mtpflow.errors import ConfigError, UserError
@@ -103,18 +103,6 @@ def test_describe_names_what_computes_the_forwards():
     assert not backends.create(model, "native_cpu", certified_head=False).takes_argmax_only()
 
 
-def _tiny_gemma(path):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    tok = make_tiny_tokenizer()
-    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                              max_position_embeddings=256, sliding_window=64, eos_token_id=0, pad_token_id=0,
-                              bos_token_id=None)
-    Gemma3ForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-
-
 @pytest.mark.parametrize("argv, message", [
     (["model.backend=fast"], "model.backend must be one of auto, hf, native_cpu, cuda_graph, got 'fast'"),
     (["model.backend=hf", "model.quantize=int8"], "model.quantize=int8 runs on the native_cpu backend"),
@@ -129,7 +117,7 @@ def test_backend_config_errors_are_one_line_exit_2(argv, message):
 
 @needs_native
 def test_native_cpu_for_gemma_3_is_one_line_exit_2(tmp_path):
-    _tiny_gemma(tmp_path / "gemma")
+    save_tiny_gemma(tmp_path / "gemma")
     out = subprocess.run([sys.executable, "-m", "mtpflow", "model=hf", f"model.name={tmp_path / 'gemma'}",
                           "model.backend=native_cpu", "prompt=hi", "trace=off", "chat=false", "max_new_tokens=4"],
                          capture_output=True, text=True, timeout=300)
