@@ -23,6 +23,7 @@ memory), which the fused products read; panel copies, int8 copies and the certif
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -113,6 +114,54 @@ class _Fused:
         """Changes whenever the values change in place: through a part (each parameter keeps its own version
         counter after its data became a view) or through the fused weight."""
         return (self.weight._version, *(p._parameters["weight"]._version for p in self.parts))
+
+
+@dataclass
+class VerifyRows:
+    """One verify forward's rows as the C entry points take them (``mtpflow_llama_rows``, ``mtpflow_w8a8_rows``):
+    every sequence's root and draft nodes one after another, no padding. Row r feeds ``ids[r]`` at rope
+    ``positions[r]`` into pool slot ``slots[r]`` at ``wpos[r]``, seeing the slot's first ``prefix[r]`` entries and
+    the new entries of its own sequence (rows ``first[r]`` .. + ``count[r]``) that ``allowed[r]`` marks."""
+    ids: torch.Tensor        # [rows]
+    positions: torch.Tensor  # [rows]
+    allowed: torch.Tensor    # uint8 [rows, the most rows of one sequence]
+    slots: list[int]
+    wpos: list[int]
+    prefix: list[int]
+    first: list[int]
+    count: list[int]
+    starts: list[int]        # each sequence's first row
+    counts: list[int]        # each sequence's rows
+
+
+def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
+    """The rows of ONE verify forward over every target's root and chain or tree (``Backend.verify``'s arguments),
+    each written after the target's committed entries."""
+    ids, positions, masks = [], [], []
+    for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
+        ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
+        base = root_position - target.position_shift
+        if draft.num_nodes:
+            positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()]))
+            masks.append(tree_allowed(draft.parents))
+        else:
+            positions.append(torch.tensor([base], dtype=torch.long))
+            masks.append(torch.ones(1, 1, dtype=torch.bool))
+    counts = [int(t.numel()) for t in ids]
+    allowed = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
+    rows = VerifyRows(torch.cat(ids), torch.cat(positions), allowed, [], [], [], [], [], [], counts)
+    start = 0
+    for target, n, mask in zip(targets, counts, masks):
+        length = target.kv.length
+        allowed[start:start + n, :n] = mask
+        rows.slots += [target.kv.slot] * n
+        rows.wpos += range(length, length + n)
+        rows.prefix += [length] * n
+        rows.first += [start] * n
+        rows.count += [n] * n
+        rows.starts.append(start)
+        start += n
+    return rows
 
 
 class NativeProducts(lean_forward.Products):
@@ -224,23 +273,11 @@ class NativeCPUBackend(HFBackend):
         rows = self._rows
         if any(set(t.taps) - {-1} for t in targets) or not rows.ready():
             return super().verify(targets, roots, drafts, root_positions)
-        ids, positions, allowed = [], [], []
-        for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
-            ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
-            base = root_position - target.position_shift
-            if draft.num_nodes:
-                positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()]))
-                allowed.append(tree_allowed(draft.parents))
-            else:
-                positions.append(torch.tensor([base], dtype=torch.long))
-                allowed.append(torch.ones(1, 1, dtype=torch.bool))
-        logits, hidden, starts = rows.run_groups(targets[0].pool, [t.kv.slot for t in targets],
-                                                 [t.kv.length for t in targets], ids, positions, allowed,
-                                                 argmax_only=all(t.argmax_only for t in targets))
+        described = verify_rows(targets, roots, drafts, root_positions)
+        logits, hidden = rows.run_groups(targets[0].pool, described, argmax_only=all(t.argmax_only for t in targets))
         seconds = time.perf_counter() - t0
         results = []
-        for target, tokens, start in zip(targets, ids, starts):
-            n = int(tokens.numel())
+        for target, n, start in zip(targets, described.counts, described.starts):
             target.kv.length += n
             target.forwards += 1
             h = hidden[start:start + n] if target.taps else None
@@ -367,24 +404,9 @@ class _RowSpec:
             raise MemoryError("mtpflow_llama_rows: out of memory")
         return backend.head_logits(normed, argmax_only), normed
 
-    def run_groups(self, pool, slots, lengths, ids, positions, allowed, argmax_only=False):
-        """A verify forward: sequence i (pool slot ``slots[i]``, ``lengths[i]`` entries) feeds ``ids[i]`` at
-        rope ``positions[i]``, written at its length on, row j seeing its prefix and the new entries
-        ``allowed[i][j]`` marks. Only real rows are computed (no padding). Returns (logits [rows, vocab], normed
-        hidden [rows, hidden], each sequence's first row)."""
-        counts = [int(t.numel()) for t in ids]
-        mask = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
-        row_slots, wpos, prefix, first, count, starts = [], [], [], [], [], []
-        start = 0
-        for slot, length, n, a in zip(slots, lengths, counts, allowed):
-            mask[start:start + n, :n] = a
-            row_slots += [slot] * n
-            wpos += range(length, length + n)
-            prefix += [length] * n
-            first += [start] * n
-            count += [n] * n
-            starts.append(start)
-            start += n
-        logits, normed = self.run(pool, torch.cat(ids)[None], torch.cat(positions)[None], row_slots, wpos, prefix,
-                                  first, count, mask, argmax_only)
-        return logits[0], normed[0], starts
+    def run_groups(self, pool, rows: VerifyRows, argmax_only=False):
+        """A verify forward over ``rows`` (``verify_rows``): only real rows are computed (no padding). Returns
+        (logits [rows, vocab], normed hidden [rows, hidden])."""
+        logits, normed = self.run(pool, rows.ids[None], rows.positions[None], rows.slots, rows.wpos, rows.prefix,
+                                  rows.first, rows.count, rows.allowed, argmax_only)
+        return logits[0], normed[0]

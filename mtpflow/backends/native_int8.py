@@ -22,7 +22,8 @@ import time
 import torch
 
 from mtpflow.backends.base import Backend
-from mtpflow.backends.hf import own_taps, tree_allowed
+from mtpflow.backends.hf import own_taps
+from mtpflow.backends.native_cpu import verify_rows
 from mtpflow.errors import UserError
 from mtpflow.kernels import native_linear, openmp
 from mtpflow.kernels.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model
@@ -183,32 +184,13 @@ class NativeInt8Backend(Backend):
     @torch.inference_mode()
     def verify(self, targets, roots, drafts, root_positions):
         t0 = time.perf_counter()
-        ids, positions, masks = [], [], []
-        for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
-            ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
-            base = root_position - target.position_shift
-            positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()])
-                             if draft.num_nodes else torch.tensor([base]))
-            masks.append(tree_allowed(draft.parents) if draft.num_nodes else torch.ones(1, 1, dtype=torch.bool))
-        counts = [int(t.numel()) for t in ids]
-        allowed = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
-        slots, wpos, prefix, count, starts = [], [], [], [], []
-        start = 0
-        for target, n, mask in zip(targets, counts, masks):
-            length = target.kv.length
-            allowed[start:start + n, :n] = mask
-            slots += [target.kv.slot] * n
-            wpos += range(length, length + n)
-            prefix += [length] * n
-            count += [n] * n
-            starts.append(start)
-            start += n
+        rows = verify_rows(targets, roots, drafts, root_positions)
         taps = tuple(sorted({t for target in targets for t in target.taps}))
-        logits, hidden = self.run(targets[0].pool, torch.cat(ids), torch.cat(positions), slots, wpos, prefix, count,
-                                  allowed, taps)
+        logits, hidden = self.run(targets[0].pool, rows.ids, rows.positions, rows.slots, rows.wpos, rows.prefix,
+                                  rows.count, rows.allowed, taps)
         seconds = time.perf_counter() - t0
         results = []
-        for target, n, first in zip(targets, counts, starts):
+        for target, n, first in zip(targets, rows.counts, rows.starts):
             target.kv.length += n
             target.forwards += 1
             h = own_taps(hidden[first:first + n], taps, target.taps) if hidden is not None and target.taps else None

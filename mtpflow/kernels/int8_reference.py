@@ -25,7 +25,7 @@ that is: never, in the cases they run). "Lossless" over the int8 model means tok
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -127,7 +127,6 @@ class Int8Weights:
     intermediate: int
     attn_scale: float
     rope: Rope
-    _float: dict = field(default_factory=dict, repr=False)  # the reference's float copies of q, by id
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [len(ids), H] of token ``ids``: the float table's rows, or for a head tied to the
@@ -229,8 +228,8 @@ def vexp(x: torch.Tensor) -> torch.Tensor:
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ms = ((x.double() * x.double()).sum(-1) / x.shape[-1]).float()
-    # torch.sqrt in float32 is not correctly rounded (about one value in six is an ulp off); the square root of the
-    # float64 value, rounded to float32, is: the C kernel's sqrtf
+    # torch.sqrt in float32 is not correctly rounded (169,053 of 1,000,000 random values differed from numpy's,
+    # docs/bench/int8_dec05.md); the square root of the float64 value, rounded to float32, is: the C kernel's sqrtf
     r = _c(1.0) / torch.sqrt((ms + _c(eps)).double()).float()
     return weight * (x * r[..., None])
 
@@ -289,6 +288,7 @@ class Int8Reference:
 
     def __init__(self, weights: Int8Weights):
         self.w = weights
+        self.float_weights: dict = {}  # this reference's float copies of the int8 weights (``linear``'s cache)
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
 
@@ -313,7 +313,7 @@ class Int8Reference:
         nq, nk = w.heads * w.head_dim, w.kv_heads * w.head_dim
         tapped = {}
         for index, layer in enumerate(w.layers):
-            qkv = linear(rmsnorm(h, layer.ln1, w.eps), layer.qkv, w._float)
+            qkv = linear(rmsnorm(h, layer.ln1, w.eps), layer.qkv, self.float_weights)
             q = rotary(qkv[:, :nq].reshape(n, w.heads, w.head_dim), cos, sin)
             k = rotary(qkv[:, nq:nq + nk].reshape(n, w.kv_heads, w.head_dim), cos, sin)
             v = qkv[:, nq + nk:].reshape(n, w.kv_heads, w.head_dim)
@@ -323,14 +323,14 @@ class Int8Reference:
             self.keys[index] = torch.cat([self.keys[index], k.transpose(0, 1)], dim=1)
             self.values[index] = torch.cat([self.values[index], v.transpose(0, 1)], dim=1)
             att = attention(q, self.keys[index], self.values[index], visible, w.attn_scale)
-            h = h + linear(att, layer.o, w._float)
-            gu = linear(rmsnorm(h, layer.ln2, w.eps), layer.gate_up, w._float)
+            h = h + linear(att, layer.o, self.float_weights)
+            gu = linear(rmsnorm(h, layer.ln2, w.eps), layer.gate_up, self.float_weights)
             g, u = gu[:, :w.intermediate], gu[:, w.intermediate:]
-            h = h + linear((g / (_c(1.0) + vexp(-g))) * u, layer.down, w._float)
+            h = h + linear((g / (_c(1.0) + vexp(-g))) * u, layer.down, self.float_weights)
             if index in taps:
                 tapped[index] = h
         normed = rmsnorm(h, w.norm, w.eps)
-        return linear(normed, w.head, w._float), normed, tapped
+        return linear(normed, w.head, self.float_weights), normed, tapped
 
     def greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids=()) -> list[int]:
         """The int8 model's greedy continuation of ``prompt`` (a fresh cache), one token per forward, stopping

@@ -149,6 +149,7 @@ def decode_runs(opts, suite: list[dict] | None = None):
     hf_answers: dict[str, str] = {}  # question id -> HF's first answer (the second turn's history)
     units: dict[tuple[str, int], dict] = {}
     int8_answers: dict[tuple[str, int], list[int]] = {}  # unit id -> the int8 reference's greedy (not timed)
+    int8_references: dict = {}
 
     def int8_reference(pipe, u: dict) -> list[int]:
         """What a strategy over the int8 model (``model.quantize=int8``) must return: the int8 reference's greedy
@@ -157,8 +158,10 @@ def decode_runs(opts, suite: list[dict] | None = None):
 
         key = (u["id"], id(pipe.loaded.int8))
         if key not in int8_answers:
-            int8_answers[key] = Int8Reference(pipe.loaded.int8).greedy(u["ids"], int(opts.max_new_tokens),
-                                                                       pipe.loaded.eos_token_ids)
+            if id(pipe.loaded.int8) not in int8_references:  # one per int8 model: it keeps float copies of it
+                int8_references[id(pipe.loaded.int8)] = Int8Reference(pipe.loaded.int8)
+            int8_answers[key] = int8_references[id(pipe.loaded.int8)].greedy(
+                u["ids"], int(opts.max_new_tokens), pipe.loaded.eos_token_ids)
             u.setdefault("int8_reference", int8_answers[key])
         return int8_answers[key]
 
