@@ -107,15 +107,6 @@ def stop_strings(cfg: DictConfig) -> tuple[str, ...]:
 BATCH_K = ("auto", "off")
 
 
-def certified_head_enabled(config) -> bool:
-    """``model.certified_head`` of a config (a run's ``context.config`` or the engine's; default true): greedy
-    sequences may take the backend's certified int8 LM head. True or false; one line otherwise."""
-    value = ((config or {}).get("model") or {}).get("certified_head", True)
-    if not isinstance(value, bool):
-        raise ConfigError(f"model.certified_head must be true or false, got {value!r}")
-    return value
-
-
 def check_batch_k(value) -> str:
     """The engine's batch-aware K setting, ``auto`` or ``off``; a YAML 1.1 reader turns a bare ``off`` into
     false, which means ``off`` here."""
@@ -143,23 +134,13 @@ def validate(cfg: DictConfig) -> None:
         from mtpflow.strategies.k_selectors import check_k
 
         check_k("k", cfg.k)
+    from mtpflow.backends.execution import ExecutionSpec
     from mtpflow.kernels.dispatch import check_backend_usable
+    from mtpflow.model import resolve_device
 
-    check_backend_usable(cfg.get("kernels") or "auto")
-    from mtpflow.backends import check_name
-    from mtpflow.model import check_quantize, resolve_device
-
-    resolve_device(cfg.model.get("device", "auto"))  # model.device=cuda without CUDA: one line before anything starts
-
-    backend = check_name(cfg.model.get("backend", "auto"))
-    if backend == "cuda_graph":  # a bucket it cannot capture: one line before the model loads
-        from mtpflow.backends.cuda_graph import check_rows
-
-        check_rows(list(cfg.model.get("graph_rows") or [1]), check_int("model.graph_capacity",
-                                                                      cfg.model.get("graph_capacity", 2048), 16))
-    if check_quantize(cfg.model.get("quantize")) and backend == "hf":
-        raise ConfigError("model.quantize=int8 runs on the native_cpu backend: it needs model.backend=auto or native_cpu")
-    certified_head_enabled(cfg)
+    spec = ExecutionSpec.from_config(cfg)  # every key that picks how the target computes: one line for a bad one
+    check_backend_usable(spec.kernels)
+    resolve_device(spec.device)  # model.device=cuda without CUDA: one line before anything starts
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

@@ -89,9 +89,9 @@ def context_backend(context):
     the ``hf`` backend over its model)."""
     backend = getattr(context, "backend", None)
     if backend is None:
-        from mtpflow.backends import HFBackend
+        from mtpflow.backends import reference
 
-        backend = HFBackend(context.model)
+        backend = reference(context.model)
     return backend
 
 

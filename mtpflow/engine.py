@@ -29,9 +29,9 @@ from typing import Any, Callable, Iterator
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from mtpflow.config import available_strategies, certified_head_enabled, check_batch_k, compose, to_container, validate
+from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
 from mtpflow.errors import UserError, check_int, debug_enabled, describe, internal_cause, traceback_text
-from mtpflow.backends import create as create_backend
+from mtpflow.backends import ExecutionSpec, create as create_backend
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.loop import Sequence, StepCallback, decode_step
 from mtpflow.model import load_configured
@@ -229,13 +229,12 @@ class Engine:
         self.default_strategy = str(cfg.strategy.get("name"))
         self._strategies: dict[str, DictConfig] = {self.default_strategy: cfg.strategy}
         build_stages(cfg.strategy)  # the default strategy's parameters are checked before the (slow) model load
+        # how the target computes, decided once from the config (mtpflow.backends.execution)
+        self.execution = ExecutionSpec.from_config(cfg)
         # ``loaded`` lets tests, the playground and pipelines share a model that is already in memory
-        self.loaded = loaded or load_configured(m)
+        self.loaded = loaded or load_configured(m, self.execution)
         # the one backend that runs every target forward of this engine (mtpflow.backends)
-        self.backend = create_backend(self.loaded.model, m.get("backend", "auto"), int8=self.loaded.int8,
-                                      certified_head=certified_head_enabled(cfg),
-                                      graph_capacity=check_int("model.graph_capacity", m.get("graph_capacity", 2048), 16),
-                                      graph_rows=list(m.get("graph_rows") or (1, 2, 4, 8, 16, 32, 64)))
+        self.backend = create_backend(self.loaded.model, self.execution, int8=self.loaded.int8)
         self.run_plugins = list(run_plugins)
         self.shared = SharedState()  # state shared on purpose across requests (a suffix cache, calibration)
         self.pool = self.backend.make_pool(self.max_batch_size)
@@ -403,7 +402,7 @@ class Engine:
             self._thread.start()
 
     def _serve(self) -> None:
-        with use_backend(self.cfg.get("kernels") or "auto"), self.backend.running(), torch.inference_mode():
+        with use_backend(self.execution.kernels), self.backend.running(), torch.inference_mode():
             while True:
                 with self._lock:
                     if not (self._queue or self._running or self._closing):

@@ -13,13 +13,12 @@ The linear products go through a ``Products`` object: ``MODULE_PRODUCTS`` calls 
 ``hf`` backend); a backend may pass its own (``mtpflow.backends.native_cpu``: fused, native or int8 products
 over copies it owns) without touching the model. Pure torch, any device; used by the backends for every forward
 over the KV pool when ``supports(model)``: ``LlamaForCausalLM`` with SDPA attention. Other architectures
-(Gemma 3, ...), or ``MTPFLOW_LEAN_FORWARD=0``, take ``model(...)`` (``run``).
+(Gemma 3, ...), or a backend built with ``model.lean_forward=false``, take ``model(...)`` (``run``).
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 
 import torch
@@ -31,8 +30,6 @@ SUPPORTED = ("LlamaForCausalLM",)
 
 def supports(model) -> bool:
     """Whether ``forward`` computes exactly what ``model(...)`` computes for this model."""
-    if os.environ.get("MTPFLOW_LEAN_FORWARD", "1") == "0":
-        return False
     return type(model).__name__ in SUPPORTED and _plain_llama(model)
 
 
@@ -225,10 +222,11 @@ def _forward_takes(cls: type, name: str) -> bool:
 
 
 def run(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, cache,
-        need_hidden=False, logits_to_keep: int = 0, products: Products = MODULE_PRODUCTS):
+        need_hidden=False, logits_to_keep: int = 0, products: Products = MODULE_PRODUCTS, lean: bool = True):
     """One forward over a KV-pool cache, as (logits, the hidden-state taps or None): ``forward`` where the model
-    is supported, else the model's own forward (``logits_to_keep`` where it takes it, else every row's)."""
-    if supports(model):
+    is supported (and ``lean``), else the model's own forward (``logits_to_keep`` where it takes it, else every
+    row's)."""
+    if lean and supports(model):
         return forward(model, input_ids, position_ids, attention_mask, cache, need_hidden, logits_to_keep,
                        products=products)
     takes_keep = logits_to_keep and _forward_takes(type(model), "logits_to_keep")

@@ -354,6 +354,9 @@ class Sequence:
         state, hook, target, stats = self.state, self.hook, self.target, self.stats
         if verification is not None and "verify" not in self.timer.seconds:
             self.timer.seconds["verify"] = verification.forward_seconds  # the shared batch forward
+        if verification is not None and verification.fallback is not None:  # named, counted in the run's stats
+            fallbacks = stats.extras.setdefault("backend_fallbacks", {})
+            fallbacks[verification.fallback] = fallbacks.get(verification.fallback, 0) + 1
         decision = hook.gate(state=state, draft=draft, verification=verification)
         if decision.num_accepted:
             masks = [m for m in hook.dedup(state=state, draft=draft, decision=decision) if m is not None]

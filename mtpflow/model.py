@@ -18,7 +18,8 @@ from pathlib import Path
 
 import torch
 
-from mtpflow.backends import quantize_int8
+from mtpflow.backends import ExecutionSpec, quantize_int8
+from mtpflow.backends.execution import check_quantize
 from mtpflow.errors import UserError
 from mtpflow.host import cache_dir
 
@@ -43,7 +44,7 @@ class LoadedModel:
     dtype: torch.dtype
     max_context: int
     eos_token_ids: tuple[int, ...]
-    # model.quantize=int8: the int8 model's weights (mtpflow.kernels.int8_reference, which defines its numerics);
+    # model.quantize=int8: the int8 model's weights (mtpflow.backends.native.int8_reference, which defines its numerics);
     # the model's own decoder and head weights are freed (its HF forward cannot run), the native_cpu backend runs it
     int8: object | None = None
 
@@ -150,21 +151,11 @@ def resolve_source(name: str | None, gguf_file: str | None) -> tuple[str, str]:
     return str(name), str(name)  # a hub id: the local HF cache (or the hub, where one is reachable)
 
 
-def load_configured(m) -> LoadedModel:
-    """``load_model`` for a config's ``model`` group (``cfg.model``)."""
-    return load_model(m.name, m.get("gguf_file"), m.dtype, m.device, m.attn_implementation, m.get("quantize"))
-
-
-QUANTIZE = ("int8",)
-
-
-def check_quantize(kind) -> str | None:
-    """``model.quantize``: None or one of QUANTIZE (a one-line ConfigError otherwise)."""
-    from mtpflow.errors import ConfigError
-
-    if kind is not None and kind not in QUANTIZE:
-        raise ConfigError(f"model.quantize must be null or one of {', '.join(QUANTIZE)}, got {kind!r}")
-    return kind
+def load_configured(m, spec: ExecutionSpec | None = None) -> LoadedModel:
+    """``load_model`` for a config's ``model`` group (``cfg.model``), as its execution spec says (``spec``, else
+    resolved from ``m``: ``mtpflow.backends.ExecutionSpec``)."""
+    spec = spec or ExecutionSpec.from_config({"model": m})
+    return load_model(m.name, m.get("gguf_file"), spec.dtype, spec.device, spec.attn_implementation, spec.quantize)
 
 
 @functools.lru_cache(maxsize=4)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.backends.hf import HFBackend
+from mtpflow.backends import reference
 from mtpflow.forward import taps_of
 from mtpflow.kv_cache import KVPool, SequenceKV
 from mtpflow.prefix_cache import PrefixKVCache, block_hashes
@@ -22,7 +22,7 @@ class Target:
 
     def __init__(self, backend, need_hidden=False, pool: KVPool | None = None):
         if isinstance(backend, torch.nn.Module):  # a bare model (tests, tools): the reference backend over it
-            backend = HFBackend(backend)
+            backend = reference(backend)
         self.backend = backend
         self.model = backend.model
         self.device = backend.device

@@ -146,10 +146,12 @@ class Verification:
 
     # [1 + num_nodes, vocab] float32; row 0 is the root, row i + 1 is draft node i. For a sequence with
     # ``Target.argmax_only`` (greedy, argmax-only gate and re-scorer) the LM head may be the certified one
-    # (mtpflow.kernels.certified_head): each row's argmax and the entries near it exact, the rest within a bound
+    # (mtpflow.backends.native.certified_head): each row's argmax and the entries near it exact, the rest within a bound
     logits: torch.Tensor
     hidden: torch.Tensor | None  # [1 + num_nodes, hidden] last-layer hidden states, if requested
     forward_seconds: float
+    # the backend's fast path declined this forward and a slower one computed it (``Backend.fall_back``): why
+    fallback: str | None = None
 
     def target_argmax(self) -> torch.Tensor:
         """[1 + num_nodes] the target's greedy choice after each row (computed once: the gate and the loop

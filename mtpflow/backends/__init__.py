@@ -1,78 +1,99 @@
 """Backends: how the target model computes its forwards (``base.Backend`` is the interface).
 
-``model.backend`` picks one per engine: ``hf`` (PyTorch over the model's own modules, any model and device: the
-reference), ``native_cpu`` (mtpflow's C kernels: Llama-family float32 models on a CPU, and the int8 model of
-``model.quantize=int8``: ``native_int8``), ``cuda_graph`` (static
-shapes, CUDA graphs captured per bucket; Llama-family models; graphs off on a CPU), or ``auto``: ``native_cpu``
-where it applies, else ``hf``.
+The engine resolves one ``ExecutionSpec`` from its config (``execution``) and builds its backend here (``create``):
+``hf`` (PyTorch over the model's own modules, any model and device: the reference), ``native_cpu`` (mtpflow's C
+kernel: ``native/``, float32 Llama-family models on a CPU, and the int8 model of ``model.quantize=int8``),
+``cuda_graph`` (static shapes, CUDA graphs captured per bucket), or ``auto``: ``native_cpu`` where it applies,
+else ``hf``, saying why once. Nothing outside this package imports the native machinery: what the rest of
+mtpflow needs of it (``quantize_int8``, the int8 model's torch reference) is exported here.
 """
 from __future__ import annotations
 
-import torch
+import functools
+import sys
 
 from mtpflow.backends.base import Backend
-from mtpflow.backends import cuda_graph, native_cpu, native_int8
+from mtpflow.backends.execution import ExecutionSpec, check_backend
 from mtpflow.backends.hf import HFBackend
-from mtpflow.backends.native_cpu import not_applicable as native_cpu_not_applicable
-from mtpflow.errors import ConfigError, UserError
-from mtpflow.kernels.int8_reference import Int8Weights
+from mtpflow.errors import UserError
 
-__all__ = ["Backend", "HFBackend", "NAMES", "check_name", "create", "native_cpu_not_applicable", "quantize_int8",
-           "row_linear"]
+__all__ = ["Backend", "ExecutionSpec", "create", "int8_reference", "native_not_applicable", "quantize_int8",
+           "reference"]
 
-NAMES = ("auto", "hf", "native_cpu", "cuda_graph")
-
-
-def check_name(name) -> str:
-    """``model.backend``: one of NAMES (one line otherwise)."""
-    if name not in NAMES:
-        raise ConfigError(f"model.backend must be one of {', '.join(NAMES)}, got {name!r}")
-    return str(name)
+def reference(model, spec: ExecutionSpec | None = None) -> Backend:
+    """The ``hf`` backend over ``model``: the reference every other backend is tested against, and what a
+    forward outside an engine (a tool, a cost measurement without one) runs."""
+    return HFBackend(model, lean=spec.lean_forward if spec is not None else True)
 
 
-def quantize_int8(model) -> Int8Weights:
-    """``model`` (a Llama-family model on the CPU: float32, bfloat16 or float16) as the int8 model (``mtpflow.kernels.int8_reference``),
-    its float32 decoder and head weights freed; a one-line UserError where the ``native_cpu`` backend cannot run
-    it."""
-    return native_int8.quantize_model(model, native_cpu.not_applicable(model, native_int8.SOURCE_DTYPES))
+def native_not_applicable(model) -> str | None:
+    """Why the ``native_cpu`` backend cannot run ``model`` (one line), or None where it can."""
+    from mtpflow.backends.native import cpu
+
+    return cpu.not_applicable(model)
 
 
-def create(model, name: str = "auto", int8: Int8Weights | None = None, certified_head: bool = True,
-           graph_capacity: int = 2048, graph_rows=cuda_graph.ROW_BUCKETS) -> Backend:
-    """The backend ``name`` for ``model`` (``int8``: the int8 model's weights when it was loaded with
-    ``model.quantize=int8``: only ``native_cpu`` runs it; ``graph_capacity`` / ``graph_rows``: the ``cuda_graph``
-    backend's KV capacity and row buckets). An explicit backend that does not apply to the model is a one-line
-    UserError."""
-    name = check_name(name)
+def quantize_int8(model):
+    """``model`` (a Llama-family model on the CPU: float32, bfloat16 or float16) as the int8 model
+    (``native.int8_reference``), its float32 decoder and head weights freed; a one-line UserError where the
+    ``native_cpu`` backend cannot run it."""
+    from mtpflow.backends.native import cpu, int8
+
+    return int8.quantize_model(model, cpu.not_applicable(model, int8.SOURCE_DTYPES))
+
+
+def int8_reference(weights):
+    """The int8 model's torch reference (``native.int8_reference.Int8Reference``) over the weights
+    ``quantize_int8`` made: what "lossless" means over the int8 model (its greedy, one token at a time)."""
+    from mtpflow.backends.native.int8_reference import Int8Reference
+
+    return Int8Reference(weights)
+
+
+def create(model, spec: ExecutionSpec | str | None = None, int8=None, **choices) -> Backend:
+    """The backend ``spec`` asks for, over ``model`` (``int8``: the int8 model's weights when it was loaded with
+    ``model.quantize=int8``: only ``native_cpu`` runs it). ``spec`` may be a backend name, with other fields of the
+    spec as keywords (``create(model, "native_cpu", certified_head=False)``: tools and tests). An explicit backend
+    that does not apply to the model is a one-line UserError; ``auto`` that cannot take ``native_cpu`` on a CPU
+    says why once (stderr)."""
+    if spec is None or isinstance(spec, str):
+        spec = ExecutionSpec(backend=check_backend(spec or "auto"), **choices)
+    name = spec.backend
+    backend = None
     if int8 is not None:
         if name not in ("auto", "native_cpu"):
             raise UserError(f"model.quantize=int8 runs on the native_cpu backend, not model.backend={name} "
                             "(use model.backend=auto or native_cpu)")
+        from mtpflow.backends.native.int8 import NativeInt8Backend
+
         try:
-            return native_int8.NativeInt8Backend(model, int8)
+            backend = NativeInt8Backend(model, int8)
         except ValueError as why:
             raise UserError(f"model.quantize=int8 does not apply here: {why}") from None
-    if name == "cuda_graph":
+    elif name == "cuda_graph":
+        from mtpflow.backends import cuda_graph
+
         reason = cuda_graph.not_applicable(model)
         if reason is not None:
             raise UserError(f"model.backend=cuda_graph does not apply here: {reason} (use model.backend=hf or auto)")
-        return cuda_graph.CUDAGraphBackend(model, capacity=graph_capacity, rows=graph_rows)
-    if name == "hf":
-        return HFBackend(model)
-    reason = native_cpu.not_applicable(model)
-    if reason is None:
-        return native_cpu.NativeCPUBackend(model, certified_head=certified_head)
-    if name == "native_cpu":
-        raise UserError(f"model.backend=native_cpu does not apply here: {reason} (use model.backend=hf or auto)")
-    return HFBackend(model)
+        backend = cuda_graph.CUDAGraphBackend(model, capacity=spec.graph_capacity, rows=spec.graph_rows)
+    elif name in ("auto", "native_cpu"):
+        reason = native_not_applicable(model)
+        if reason is None:
+            from mtpflow.backends.native.cpu import NativeCPUBackend
+
+            backend = NativeCPUBackend(model, certified_head=spec.certified_head)
+        elif name == "native_cpu":
+            raise UserError(f"model.backend=native_cpu does not apply here: {reason} (use model.backend=hf or auto)")
+        elif next(model.parameters()).device.type == "cpu":
+            _say_once(f"mtpflow: model.backend=auto runs hf (PyTorch): the native_cpu backend does not apply: {reason}")
+    if backend is None:
+        backend = reference(model, spec)
+    backend.spec = spec
+    return backend
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for a few rows against a large float32 CPU weight (a draft head's vocabulary
-    projection): the native row kernel where it is built (it reads the weight once for all rows), else torch."""
-    from mtpflow.kernels import native_linear
-
-    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled() \
-            and native_linear.available():
-        return native_linear.linear(x, weight)
-    return x @ weight.T
+@functools.lru_cache(maxsize=None)
+def _say_once(line: str) -> None:
+    """Print ``line`` to stderr the first time it comes in this process (an engine per request must not repeat it)."""
+    print(line, file=sys.stderr, flush=True)

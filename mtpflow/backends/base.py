@@ -10,14 +10,19 @@ per engine (``mtpflow.backends.create``) and owns the KV pool; every target forw
   argmax is exact and the rest bounded: ``Verification.logits``);
 - ``self_draft(target, root, position, steps, layers)``: greedy tokens from a cheaper copy of the target itself
   (or its first ``layers`` layers), or None where the backend has none;
-- ``describe()``: what computes the forwards, the key of every cost measurement.
+- ``describe()``: what computes the forwards, the key of every cost measurement;
+- ``linear_rows(x, weight)``: a draft head's product over a few rows (the native backends read the weight once);
+- ``fall_back(reason, ...)``: a forward the backend's fast path declines runs a slower one under a name, counted
+  in ``stats()`` and marked on each ``Verification`` (the run's stats count them: ``backend_fallbacks``).
 
 A ``Target`` (``mtpflow.target``) is one sequence's slot in the pool; the backend reads and advances its length.
 A backend never changes the user's model: copies it needs (fused, packed, int8) are its own.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
+from dataclasses import replace
 
 import torch
 
@@ -33,6 +38,18 @@ class Backend:
         self.model = model
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        self.spec = None  # the ExecutionSpec it was built from (``mtpflow.backends.create`` sets it)
+        self.fallbacks: collections.Counter[str] = collections.Counter()  # declined forwards, by reason
+
+    def fall_back(self, reason: str, results: list | None = None) -> list | None:
+        """Count one forward this backend's fast path declined (``reason``: what made it decline) and mark each
+        ``Verification`` of ``results`` (the fallback's) with it."""
+        self.fallbacks[reason] += 1
+        return None if results is None else [replace(v, fallback=reason) for v in results]
+
+    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x @ weight.T`` for a few rows against a large weight (a draft head's vocabulary projection)."""
+        return x @ weight.T
 
     def prefill(self, targets: list, prompts: list[torch.Tensor], prefix_cache=None,
                 starts: list[int] | None = None) -> list[tuple]:
@@ -65,9 +82,14 @@ class Backend:
         """Whether verifies of sequences that read only each row's argmax run a cheaper exact-argmax head."""
         return False
 
+    def kernel_identity(self) -> str:
+        """What computes beyond the backend, device and dtype (a native kernel's build), or ""."""
+        return ""
+
     def describe(self) -> str:
         """What computes the forwards (backend, device, dtype, kernel version): the key of cost measurements."""
-        return f"{self.name} {self.device} {str(self.dtype).replace('torch.', '')}"
+        parts = [self.name, str(self.device), str(self.dtype).replace("torch.", ""), self.kernel_identity()]
+        return " ".join(p for p in parts if p)
 
     @contextlib.contextmanager
     def running(self):
@@ -78,5 +100,8 @@ class Backend:
         """The calling thread is about to wait or go idle (a backend may release what the thread holds)."""
 
     def stats(self) -> dict:
-        """Figures for a run's stats (memory the backend holds, ...)."""
-        return {"backend": self.name}
+        """Figures for a run's stats (memory the backend holds, the forwards it declined, ...)."""
+        out = {"backend": self.name}
+        if self.fallbacks:
+            out["backend_fallbacks"] = dict(self.fallbacks)
+        return out

@@ -19,13 +19,15 @@ import time
 import torch
 
 from mtpflow import forward as lean_forward
+from mtpflow.backends.base import Backend
+from mtpflow.backends.execution import GRAPH_ROWS, check_graph_rows
 from mtpflow.backends.hf import HFBackend, tree_allowed
 from mtpflow.errors import UserError
 from mtpflow.kv_cache import KVPool, write_rows
 from mtpflow.types import Verification
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+ROW_BUCKETS = GRAPH_ROWS
 
 
 def not_applicable(model) -> str | None:
@@ -34,18 +36,6 @@ def not_applicable(model) -> str | None:
         attn = getattr(model.config, "_attn_implementation", "?")
         return f"it runs Llama-family models on SDPA attention, not {type(model).__name__} on {attn}"
     return None
-
-
-def check_rows(rows, capacity: int) -> tuple[int, ...]:
-    """``model.graph_rows``: ascending row buckets (root + draft nodes per sequence), each 1..capacity / 2."""
-    try:
-        buckets = tuple(sorted({int(r) for r in rows}))
-    except (TypeError, ValueError):
-        buckets = ()
-    if not buckets or buckets[0] < 1 or buckets[-1] > capacity // 2 or any(float(r) != int(r) for r in rows):
-        raise UserError(f"model.graph_rows must be whole numbers from 1 to {capacity // 2} (half the KV capacity "
-                        f"{capacity}), got {list(rows) if hasattr(rows, '__iter__') else rows!r}")
-    return buckets
 
 
 class _StaticCache:
@@ -109,19 +99,21 @@ class _Bucket:
         return self.logits
 
 
-class CUDAGraphBackend(HFBackend):
-    """Static-shape verify forwards, CUDA-graph captured per bucket; see the module docstring."""
+class CUDAGraphBackend(Backend):
+    """Static-shape verify forwards, CUDA-graph captured per bucket; see the module docstring. Prefills, and the
+    verifies no bucket fits (named fallbacks), run the ``hf`` backend's dynamic shapes over the same pool."""
 
     name = "cuda_graph"
 
     def __init__(self, model, capacity: int = 2048, rows=ROW_BUCKETS, graphs: bool | None = None):
         super().__init__(model)
+        self.dynamic = HFBackend(model)
         reason = not_applicable(model)
         if reason is not None:
             raise ValueError(reason)
         limit = int(getattr(model.config, "max_position_embeddings", 0) or capacity)
         self.capacity = min(int(capacity), limit)
-        self.row_buckets = check_rows(rows, self.capacity)
+        self.row_buckets = check_graph_rows(rows, self.capacity)
         self.graphs = (self.device.type == "cuda") if graphs is None else bool(graphs)
         if self.graphs and self.device.type != "cuda":
             raise UserError("CUDA graphs need the model on a CUDA device (model.device=cuda)")
@@ -157,9 +149,10 @@ class CUDAGraphBackend(HFBackend):
         pool = targets[0].pool
         sizes = [1 + d.num_nodes for d in drafts]
         bucket = self._bucket(pool.used, max(sizes)) if pool is self.pool else None
-        if bucket is None or any(t.taps for t in targets) \
-                or any(t.cache_len + bucket.rows > self.capacity for t in targets):
-            return super().verify(targets, roots, drafts, root_positions)  # dynamic shapes, uncaptured
+        reason = ("no bucket fits" if bucket is None else "hidden states" if any(t.taps for t in targets)
+                  else "past the capacity" if any(t.cache_len + bucket.rows > self.capacity for t in targets) else None)
+        if reason is not None:  # dynamic shapes, uncaptured
+            return self.fall_back(reason, self.dynamic.verify(targets, roots, drafts, root_positions))
         b, q = bucket.batch, bucket.rows
         ids = torch.zeros(b, q, dtype=torch.long)
         positions = torch.zeros(b, q, dtype=torch.long)
@@ -189,11 +182,13 @@ class CUDAGraphBackend(HFBackend):
             results.append(Verification(logits=logits[slot, :n], hidden=None, forward_seconds=seconds))
         return results
 
-    def describe(self) -> str:
-        graphs = "graphs" if self.graphs else "no-graphs"
-        return f"cuda_graph {self.device} {str(self.dtype).replace('torch.', '')} {graphs} capacity {self.capacity}"
+    def prefill(self, targets, prompts, prefix_cache=None, starts=None):
+        return self.dynamic.prefill(targets, prompts, prefix_cache, starts)  # prompts vary too much to bucket
+
+    def kernel_identity(self) -> str:
+        return f"{'graphs' if self.graphs else 'no-graphs'} capacity {self.capacity}"
 
     def stats(self) -> dict:
         captured = [bk for bk in self._buckets.values() if bk.graph is not None]
-        return {"backend": self.name, "graphs_captured": len(captured),
+        return {**super().stats(), "graphs_captured": len(captured),
                 "graph_capture_seconds": round(sum(bk.capture_seconds for bk in captured), 3)}

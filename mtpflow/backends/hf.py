@@ -57,18 +57,24 @@ class HFBackend(Backend):
     """Forwards in PyTorch: the lean forward for Llama-family models, ``model(...)`` for the rest."""
 
     name = "hf"
-    products = lean_forward.MODULE_PRODUCTS  # the linear products of the lean forward (a subclass may swap them)
+
+    def __init__(self, model, lean: bool = True):
+        """``lean``: Llama-family models take the lean forward (``mtpflow.forward``; ``model.lean_forward``)."""
+        super().__init__(model)
+        self.lean = lean
+        # the linear products of the lean forward: the model's own modules (the native backend passes its own)
+        self.products = lean_forward.MODULE_PRODUCTS
 
     def _run(self, input_ids, positions, mask, cache, taps, logits_to_keep: int = 0):
         return lean_forward.run(self.model, input_ids, positions, mask, cache, taps, logits_to_keep,
-                                products=self.products)
+                                products=self.products, lean=self.lean)
 
     # ----- prefill ------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, targets, prompts, prefix_cache=None, starts=None):
         starts = starts or [0] * len(targets)
         outputs: list = [None] * len(targets)
-        packable = len(targets) > 1 and lean_forward.supports(self.model)
+        packable = len(targets) > 1 and self.lean and lean_forward.supports(self.model)
         group: list[int] = []
 
         def run_group():

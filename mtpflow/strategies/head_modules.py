@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mtpflow.errors import UserError
-from mtpflow.backends import row_linear
 
 CONFIG_NAME = "heads.json"
 WEIGHTS_NAME = "heads.safetensors"
@@ -198,15 +197,19 @@ def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
 class DraftVocabHead:
     """The target's LM head restricted to the draft vocabulary: features -> logits over draft tokens."""
 
-    def __init__(self, rows: torch.Tensor, draft_ids: torch.Tensor):
-        """``rows``: the LM head's weight rows of ``draft_ids`` [draft_vocab, hidden] (``head_rows``)."""
+    def __init__(self, rows: torch.Tensor, draft_ids: torch.Tensor, backend=None):
+        """``rows``: the LM head's weight rows of ``draft_ids`` [draft_vocab, hidden] (``head_rows``); ``backend``:
+        the engine's backend (``RunContext.backend``), whose ``linear_rows`` computes the product (None: torch)."""
         self.draft_ids = draft_ids.long()  # [draft_vocab] target token id of each draft token
         self.weight = rows.detach().float()  # [draft_vocab, hidden]
+        self.backend = backend
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
-        # a few rows against 4096 x hidden: bound by reading the weight, which the native row kernel reads once
-        # for all rows where it is built
-        return row_linear(features.float(), self.weight)
+        # a few rows against 4096 x hidden: bound by reading the weight, which a native backend's row kernel reads
+        # once for all rows
+        if self.backend is None:
+            return features.float() @ self.weight.T
+        return self.backend.linear_rows(features.float(), self.weight)
 
 
 def draft_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

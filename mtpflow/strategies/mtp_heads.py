@@ -203,7 +203,8 @@ class MTPHeadsProposer:
         self.width = int(model.config.hidden_size) * (len(config["taps"]) if self.kind == "eagle3" else 1)
         device = next(model.parameters()).device
         self.module = module.to(device)
-        self.lm = DraftVocabHead(head_rows(model, draft_ids).to(device), draft_ids.to(device))
+        self.lm = DraftVocabHead(head_rows(model, draft_ids).to(device), draft_ids.to(device),
+                                 getattr(context, "backend", None))
         self.embed = model.get_input_embeddings()
         self.device = device
         self._reset_cache()

@@ -153,13 +153,13 @@ def decode_runs(opts, suite: list[dict] | None = None):
 
     def int8_reference(pipe, u: dict) -> list[int]:
         """What a strategy over the int8 model (``model.quantize=int8``) must return: the int8 reference's greedy
-        (``mtpflow.kernels.int8_reference``), not HF generate over the float model."""
-        from mtpflow.kernels.int8_reference import Int8Reference
+        (``mtpflow.backends.int8_reference``), not HF generate over the float model."""
+        from mtpflow import backends
 
         key = (u["id"], id(pipe.loaded.int8))
         if key not in int8_answers:
             if id(pipe.loaded.int8) not in int8_references:  # one per int8 model: it keeps float copies of it
-                int8_references[id(pipe.loaded.int8)] = Int8Reference(pipe.loaded.int8)
+                int8_references[id(pipe.loaded.int8)] = backends.int8_reference(pipe.loaded.int8)
             int8_answers[key] = int8_references[id(pipe.loaded.int8)].greedy(
                 u["ids"], int(opts.max_new_tokens), pipe.loaded.eos_token_ids)
             u.setdefault("int8_reference", int8_answers[key])
@@ -333,7 +333,7 @@ def cost_table(loaded, which: str, ks, context: int):
     if which not in ("both", "hf", "native_cpu"):
         raise UserError(f"backends must be both, hf or native_cpu, got {which!r}")
     names = ["hf", "native_cpu"] if which == "both" else [which]
-    if which == "both" and backends.native_cpu_not_applicable(loaded.model) is not None:
+    if which == "both" and backends.native_not_applicable(loaded.model) is not None:
         names = ["hf"]
     frames = []
     for name in names:

@@ -8,7 +8,7 @@ What it runs, in this order, in one process (llama.cpp in its own, one after the
 1. the host's memory bandwidth: ``torch.sum`` over 1 GiB of float32 at the run's threads, the fastest of 5;
 2. the decode benchmark (``mtpflow.bench``'s, batch 1, greedy): HF generate and float32 ``baseline``, then every
    strategy of ``strategies`` over the int8 model, each checked token for token against the int8 reference's
-   greedy (``mtpflow.kernels.int8_reference``); llama.cpp (``MTPFLOW_LLAMACPP_PYTHON``) on each ``peer_gguf``;
+   greedy (``mtpflow.backends.int8_reference``); llama.cpp (``MTPFLOW_LLAMACPP_PYTHON``) on each ``peer_gguf``;
 3. the batch: ``batch`` requests at once through one engine, float32 ``baseline`` and int8 ``baseline`` and the best
    int8 strategy of step 2, tokens/s over every prompt, checked against their references;
 4. what int8 costs in agreement with float32, per prompt: the float32 greedy (HF generate's answer from step 2) fed
@@ -135,9 +135,9 @@ def decode_step_rows(settings, units, n_new: int, bandwidth: float) -> list[dict
 def agreement_rows(float_loaded, int8_loaded, units) -> list[dict]:
     """Per prompt: along the float32 greedy answer, the share of positions where the int8 model's next token is
     the float32 model's, and the first position they differ (None: never)."""
-    from mtpflow.kernels.int8_reference import Int8Reference
+    from mtpflow import backends
 
-    reference = Int8Reference(int8_loaded.int8)
+    reference = backends.int8_reference(int8_loaded.int8)
     rows = []
     for u in units:
         answer = list(u["reference"])
@@ -222,7 +222,7 @@ def run(opts, argv: list[str]) -> int:
     agreement = pd.DataFrame(agreement_rows(float_loaded, int8_loaded, units))
     agreement.to_csv(out / "int8_agreement.csv", index=False)
     # the bytes a batch-1 decode step streams: the int8 model's weights; float32's decoder weights and the certified
-    # int8 head it reads for greedy rows (``kernels.certified_head``)
+    # int8 head it reads for greedy rows (``backends.native.certified_head``)
     layers = float_loaded.model.model.layers
     float_bytes = 4 * sum(m.weight.numel() for b in layers for m in b.modules() if isinstance(m, torch.nn.Linear))
     float_bytes += float_loaded.model.lm_head.weight.numel()  # the certified head: one byte per weight

@@ -55,7 +55,7 @@ def one(precision: str, context: int, repeats: int, shape: dict) -> dict:
         model = LlamaForCausalLM(LlamaConfig(**shape)).eval()
     params = sum(p.numel() for p in model.parameters())
     int8 = backends.quantize_int8(model) if precision == "int8" else None
-    backend = backends.create(model, "auto", int8=int8)
+    backend = backends.create(model, int8=int8)
     ready_seconds = time.perf_counter() - t0
     rss_ready = _status("VmRSS")
     times = measure_batch_costs(backend, BATCHES, ROWS, context=context, repeats=repeats, argmax_only=True)

@@ -99,12 +99,12 @@ def test_variants_first_time_and_repeated_requests(tiny_dir, tmp_path):
 def test_cost_mode_end_to_end(tiny_dir, tmp_path):
     """``backends=both`` (the default) measures each backend that applies: hf always, native_cpu where the
     kernels build (the tiny model is a float32 Llama on SDPA); ``backends=hf`` only hf."""
-    from mtpflow.kernels import native_linear
+    from mtpflow.backends.native import kernel, products
 
     code = bench.main([f"model={tiny_dir}", "mode=cost", "cost_ks=[0,1,4]", "cost_context=16", f"out={tmp_path}"])
     assert code == 0
     table = pd.read_csv(tmp_path / "verify_cost.csv")
-    assert set(table["backend"]) == ({"hf", "native_cpu"} if native_linear.available() else {"hf"})
+    assert set(table["backend"]) == ({"hf", "native_cpu"} if kernel.available() else {"hf"})
     assert len(table) == 3 * table["backend"].nunique() and set(table["k"]) == {0, 1, 4}
     assert (table.loc[table["k"] == 0, "cost_vs_k0"] == 1.0).all()
     out = tmp_path / "hf_only"

@@ -93,7 +93,7 @@ def test_serve_manifest(tiny_dir, tmp_path):
     assert not any(o.startswith("trace.db=") for o in record["settings"]["server_overrides"])
 
 
-@pytest.mark.skipif(not __import__("mtpflow.kernels.native_linear", fromlist=["x"]).available(),
+@pytest.mark.skipif(not __import__("mtpflow.backends.native.kernel", fromlist=["x"]).available(),
                     reason="the int8 model needs the native kernels")
 def test_int8_bench_is_one_run_with_one_manifest(tiny_dir, prompts, tmp_path):
     """``python -m mtpflow.tools.int8_bench``: the decode rows (float32 baseline, strategies over the int8 model
@@ -127,7 +127,7 @@ def test_int8_bench_is_one_run_with_one_manifest(tiny_dir, prompts, tmp_path):
     assert list(steps["setting"]) == ["float32 baseline", "int8 baseline"] and (steps["step_ms"] > 0).all()
 
 
-@pytest.mark.skipif(not __import__("mtpflow.kernels.native_linear", fromlist=["x"]).available(),
+@pytest.mark.skipif(not __import__("mtpflow.backends.native.kernel", fromlist=["x"]).available(),
                     reason="the int8 model needs the native kernels")
 def test_the_real_size_check_runs_each_precision_in_its_own_process(tmp_path):
     """``python -m mtpflow.tools.realsize`` on a tiny shape: a row per precision with step times at batch 1 and 16

@@ -39,12 +39,12 @@ def test_the_int8_model_is_lossless_against_its_reference(default_loaded):
     reference's greedy (``Int8Reference``, torch) token for token, alone and as one engine batch; the kernel's
     prefill logits are bit-identical to the reference's; drafts are accepted; the float32 model is untouched and the
     int8 model's float32 layer weights are gone."""
-    from mtpflow.kernels import native_linear
-    from mtpflow.kernels.int8_reference import Int8Reference
+    from mtpflow.backends.native import kernel, products
+    from mtpflow.backends.native.int8_reference import Int8Reference
     from mtpflow.model import load_model
     from mtpflow.request import Request
 
-    if not native_linear.available():
+    if not kernel.available():
         pytest.skip("no C compiler to build the native kernel")
     loaded = load_model("smollm2", quantize="int8")
     assert loaded.model is not default_loaded.model and default_loaded.model.model.layers[0].mlp.up_proj.weight.numel()

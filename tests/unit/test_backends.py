@@ -10,11 +10,11 @@ import torch
 
 from helpers import make_tiny_model, save_tiny_gemma, tiny_loaded
 from mtpflow import backends
-from mtpflow.backends import native_cpu
+from mtpflow.backends.native import cpu as native_cpu
 from mtpflow.errors import ConfigError, UserError
-from mtpflow.kernels import native_linear
+from mtpflow.backends.native import kernel, products
 
-needs_native = pytest.mark.skipif(not native_linear.available(), reason="the native kernels cannot be built here")
+needs_native = pytest.mark.skipif(not kernel.available(), reason="the native kernels cannot be built here")
 
 
 def snapshot(model):
@@ -61,7 +61,7 @@ def test_every_strategy_leaves_the_model_as_loaded(default_loaded):
 def test_auto_is_native_cpu_where_it_applies_and_hf_elsewhere():
     loaded = tiny_loaded(seed=3)
     backend = backends.create(loaded.model, "auto")
-    assert backend.name == ("native_cpu" if native_linear.available() else "hf")
+    assert backend.name == ("native_cpu" if kernel.available() else "hf")
     assert backends.create(loaded.model, "hf").name == "hf"
     eager = make_tiny_model(64, seed=1)
     eager.config._attn_implementation = "eager"
@@ -98,8 +98,8 @@ def test_describe_names_what_computes_the_forwards():
     model = make_tiny_model(64, seed=2)
     hf, native = backends.create(model, "hf"), backends.create(model, "native_cpu")
     assert hf.describe() == "hf cpu float32"
-    assert native.describe().startswith("native_cpu float32 certified-head kernel:")
-    assert native_linear.source_hash()[:10] in native.describe()
+    assert native.describe().startswith("native_cpu cpu float32 certified-head kernel:")
+    assert kernel.source_hash()[:10] in native.describe()
     assert not backends.create(model, "native_cpu", certified_head=False).takes_argmax_only()
 
 

@@ -233,7 +233,7 @@ def test_decayed_acceptance_learns_and_forgets_rejections():
 
 def test_batch_costs_are_measured_once_then_read_from_the_cache(tiny, tmp_path, monkeypatch):
     from mtpflow import cost_model
-    from mtpflow.backends import HFBackend
+    from mtpflow.backends.hf import HFBackend
 
     monkeypatch.setenv("MTPFLOW_PROFILE", str(tmp_path / "profile.json"))
     calls = []

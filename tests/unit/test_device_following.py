@@ -1,5 +1,5 @@
 """Every strategy's stages follow the model's device. On the CPU: the all-strategies sweep of
-``tests/kernels/test_cuda_strategies.py`` (every registered strategy on a tiny random Llama, token-identical to
+``tests/strategy_sweep.py`` (every registered strategy on a tiny random Llama, token-identical to
 HF ``generate`` when lossless), so the sweep the GPU runs is itself exercised here; the samplers draw where the
 run's generator lives; ``model.device=cuda`` on a machine without CUDA is one line and exit 2 before any model
 loads."""
@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-from test_heads_lossless import one_thread  # noqa: E402,F401 (fixture: tiny-model stages run faster on one thread)
-from test_cuda_strategies import (  # noqa: E402
+from test_heads_lossless import one_thread  # noqa: F401 (fixture: tiny-model stages run faster on one thread)
+from strategy_sweep import (
     CPU_ONLY, PLUGIN_STRATEGIES, check_strategy, sampling_matches_plain_sampling, swept_strategies,
 )
 

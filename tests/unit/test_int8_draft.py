@@ -9,11 +9,11 @@ from transformers import DynamicCache
 
 from helpers import hf_greedy, make_pipeline, make_tiny_model
 from mtpflow.errors import ConfigError, UserError
-from mtpflow.kernels import native_linear
+from mtpflow.backends.native import kernel, products
 from mtpflow.strategies.draft_model import DraftModelProposer
 from mtpflow.target import Target
 
-pytestmark = pytest.mark.skipif(not native_linear.available(), reason="the native CPU kernels could not be built")
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="the native CPU kernels could not be built")
 
 PROMPTS = [[5, 17, 23, 8, 42, 11, 9], [3, 3, 7, 19, 2], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
 
@@ -25,7 +25,7 @@ def native_pipeline(loaded, strategy, *overrides):
 
 
 def dequantized(weight: torch.Tensor) -> torch.Tensor:
-    q, scale = native_linear.quantize_int8(weight)
+    q, scale = products.quantize_int8(weight)
     return q.float() * scale[:, None]
 
 

@@ -56,9 +56,9 @@ def test_transformers_imports_from_the_checkout_as_working_directory():
 
 
 # ----- the import graph is a tree ------------------------------------------------------------------------------
-# the CPU machinery: only mtpflow.backends (the seam) and the kernels themselves import it
-CPU_MACHINERY = ("mtpflow.kernels.native_linear", "mtpflow.kernels.certified_head", "mtpflow.kernels.openmp",
-                 "mtpflow.backends.native_cpu", "mtpflow.backends.native_int8")
+# the native machinery (the C kernel, its mirror, its references, the certified head, OpenMP, the native backends):
+# only mtpflow.backends imports it
+NATIVE = "mtpflow.backends.native"
 # what the kernels and the host-measurement cache may import of mtpflow: nothing above them
 LEAVES = {"mtpflow.kernels": ("mtpflow.kernels", "mtpflow.errors", "mtpflow.host"), "mtpflow.host": ("mtpflow.errors",)}
 
@@ -140,7 +140,7 @@ def test_no_module_imports_itself_back_through_others():
 def test_the_cycle_check_sees_imports_inside_functions():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     graph = import_graph()
-    assert "mtpflow.backends" in graph["mtpflow.config"]  # ``validate`` imports it inside the function
+    assert "mtpflow.backends.execution" in graph["mtpflow.config"]  # ``validate`` imports it inside the function
 
 
 def test_kernels_and_the_host_cache_import_nothing_above_them():
@@ -150,8 +150,20 @@ def test_kernels_and_the_host_cache_import_nothing_above_them():
                 assert all(d.startswith(allowed) for d in deps), (name, sorted(deps))
 
 
-def test_only_the_backends_reach_the_cpu_machinery():
-    for name, deps in import_graph().items():
-        if name.startswith(("mtpflow.backends", "mtpflow.kernels")):
+def test_only_the_backends_reach_the_native_machinery():
+    graph = import_graph()
+    assert any(m.startswith(NATIVE + ".") for m in graph)  # the package the rule is about exists
+    for name, deps in graph.items():
+        if name.startswith("mtpflow.backends"):
             continue
-        assert not deps & set(CPU_MACHINERY), (name, sorted(deps & set(CPU_MACHINERY)))
+        native = sorted(d for d in deps if d == NATIVE or d.startswith(NATIVE + "."))
+        assert not native, (name, native)
+
+
+def test_the_kernels_package_holds_only_the_draft_tree_ops():
+    """``mtpflow.kernels``: torch and Triton ops the strategies call (PFS, tree masks, n-grams, accept); no C
+    source, no model machinery."""
+    root = Path(mtpflow.__file__).parent / "kernels"
+    assert not list(root.glob("*.c")) and not list(root.glob("*.h"))
+    for gone in ("native_linear", "native_reference", "int8_reference", "certified_head", "openmp"):
+        assert not (root / f"{gone}.py").exists(), gone

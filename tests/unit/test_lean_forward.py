@@ -1,6 +1,6 @@
 """The lean Llama forward (``mtpflow.forward``) computes what HF's forward computes, over the KV pool's views:
 prefill, one row, a chain after a cache, and a batch with its 4D mask; greedy decoding through it stays
-identical to HF ``generate``. The ``native_cpu`` backend (``mtpflow.backends.native_cpu``: fused products, the
+identical to HF ``generate``. The ``native_cpu`` backend (``mtpflow.backends.native.cpu``: fused products, the
 native kernels, ``mtpflow_llama_rows``) computes what the ``hf`` backend (the lean forward over the model's own
 modules) computes, over the same pool state."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ import torch
 
 from helpers import count_runs, hf_greedy, make_pipeline, make_tiny_model
 from mtpflow import forward as lean
-from mtpflow.backends import HFBackend, native_cpu
-from mtpflow.kernels import native_linear
+from mtpflow.backends.hf import HFBackend
+from mtpflow.backends.native import cpu as native_cpu
+from mtpflow.backends.native import kernel, products
 from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
 
 
@@ -49,9 +50,14 @@ def test_supported_models():
     assert torch.allclose(hidden, full.hidden_states[-1], atol=1e-6)
 
 
-def test_env_switch_turns_it_off(monkeypatch):
-    monkeypatch.setenv("MTPFLOW_LEAN_FORWARD", "0")
-    assert not lean.supports(make_tiny_model(32, layers=1))
+def test_the_config_key_turns_it_off():
+    """``model.lean_forward=false``: the backend runs the model's own forward (no environment variable does)."""
+    from mtpflow.backends import ExecutionSpec, create
+
+    spec = ExecutionSpec.from_config({"model": {"lean_forward": False, "backend": "hf"}})
+    backend = create(make_tiny_model(32, layers=1), spec)
+    assert backend.lean is False and backend.spec is spec
+    assert "lean_forward=false" in spec.describe()
 
 
 @torch.inference_mode()
@@ -131,13 +137,12 @@ def test_hidden_taps_name_layers_and_reject_bad_values():
 
 @torch.inference_mode()
 @pytest.mark.parametrize("use_lean", [True, False])
-def test_taps_are_the_layer_outputs_hf_reports(use_lean, monkeypatch):
+def test_taps_are_the_layer_outputs_hf_reports(use_lean):
     """Taps through ``run`` (lean, and the model's own forward) equal HF's ``hidden_states[i + 1]``, concatenated."""
-    monkeypatch.setenv("MTPFLOW_LEAN_FORWARD", "1" if use_lean else "0")
     model = make_tiny_model(96, layers=4)
     ids = torch.tensor([[5, 9, 2, 44, 17]])
     pool = KVPool(model, max_slots=1)
-    _, taps = lean.run(model, ids, torch.arange(5)[None], None, SequenceKV(pool).view(), (0, 2, -1))
+    _, taps = lean.run(model, ids, torch.arange(5)[None], None, SequenceKV(pool).view(), (0, 2, -1), lean=use_lean)
     states = model(input_ids=ids, output_hidden_states=True).hidden_states
     want = torch.cat([states[1], states[3], states[-1]], dim=-1)
     assert taps.shape == want.shape and torch.allclose(taps, want, atol=1e-5)
@@ -153,7 +158,7 @@ def test_batch_verify_gives_each_sequence_its_own_taps(backend):
 
     model = make_tiny_model(96, layers=8)
     if backend == "native_cpu":
-        if not native_linear.available():
+        if not kernel.available():
             pytest.skip("the native kernel cannot be built here")
         backend = native_cpu.NativeCPUBackend(model)
     else:
@@ -175,7 +180,7 @@ def test_batch_verify_gives_each_sequence_its_own_taps(backend):
 
 
 def _native_model(**config):
-    if not native_linear.available():
+    if not kernel.available():
         pytest.skip("the native kernel cannot be built here")
     model = make_tiny_model(96, layers=3)
     for key, value in config.items():
@@ -237,7 +242,7 @@ def test_fused_projections_compute_what_the_parts_compute(monkeypatch):
 
 def test_greedy_with_fused_projections_equals_hf(tiny):
     prompt = [5, 17, 23, 8, 42, 11, 9]
-    if not native_linear.available():
+    if not kernel.available():
         pytest.skip("the native kernel cannot be built here")
     pipe = make_pipeline(tiny, "pld", "max_new_tokens=24", "trace=off", "model.backend=native_cpu")
     model = pipe.loaded.model
@@ -253,11 +258,11 @@ def test_greedy_with_fused_projections_equals_hf(tiny):
 @pytest.fixture(scope="module")
 def avx2_kernels(tmp_path_factory):
     """small_gemm.c built for CPUs without AVX-512 (8-float vectors), or None where it cannot be."""
-    cc = native_linear.compiler()
+    cc = kernel.compiler()
     out = tmp_path_factory.mktemp("avx2") / "avx2.so"
-    if cc is None or not native_linear.build(cc, out, (*native_linear.FLAGS, "-mno-avx512f")):
+    if cc is None or not kernel.build(cc, out, (*kernel.FLAGS, "-mno-avx512f")):
         return None
-    return native_linear.load(out)
+    return kernel.load(out)
 
 
 @pytest.mark.parametrize("build", ["this", "avx2"])  # the kernels built for this CPU, and the 8-float build
@@ -340,6 +345,8 @@ def test_native_rows_decline_what_they_do_not_compute(monkeypatch):
     with torch.no_grad():
         down.weight = torch.nn.Parameter(down.weight.detach() * -2.0)  # a weight swapped after the first call
     assert not replaced._rows.ready() and not ran_on(replaced)
+    assert replaced.fallbacks == {"a weight was replaced": 1}  # named and counted, never silent
+    assert replaced.stats()["backend_fallbacks"] == {"a weight was replaced": 1}
     part = native_cpu.NativeCPUBackend(_native_model())
     assert ran_on(part)
     k_proj = part.model.model.layers[1].self_attn.k_proj
@@ -350,7 +357,7 @@ def test_native_rows_decline_what_they_do_not_compute(monkeypatch):
 
 
 def test_greedy_through_the_native_rows_equals_hf(tiny, monkeypatch):
-    if not native_linear.available():
+    if not kernel.available():
         pytest.skip("the native kernel cannot be built here")
     prompt = [5, 17, 23, 8, 42, 11, 9]
     ran = count_runs(monkeypatch, native_cpu._RowSpec, "run_groups")  # every verify forward (plain steps, drafts)
@@ -442,7 +449,7 @@ def test_packed_prefill_computes_each_prompts_own_prefill(backend, monkeypatch):
     from mtpflow.prefix_cache import BLOCK, PrefixKVCache
     from mtpflow.target import Target, prefill_many
 
-    if backend == "native_cpu" and not native_linear.available():
+    if backend == "native_cpu" and not kernel.available():
         pytest.skip("the native kernel cannot be built here")
     model = make_tiny_model(96, layers=3)
     backend = native_cpu.NativeCPUBackend(model) if backend == "native_cpu" else HFBackend(model)

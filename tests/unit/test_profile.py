@@ -15,7 +15,7 @@ import torch
 
 from helpers import save_tiny_model, write_profile
 from mtpflow import cost_model, host
-from mtpflow.backends import HFBackend
+from mtpflow.backends.hf import HFBackend
 from mtpflow.errors import UserError
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "profile.json"

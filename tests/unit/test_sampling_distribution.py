@@ -119,10 +119,10 @@ def test_loop_sampling_matches_plain_sampling(speculative):
     """End to end on a tiny 8-token model: speculative sampling (prompt-lookup drafts, or the int8 self-draft's
     deterministic chains through the native forward) vs plain sampling (baseline)."""
     from helpers import make_tiny_tokenizer
-    from mtpflow.kernels import native_linear
+    from mtpflow.backends.native import kernel, products
     from mtpflow.model import LoadedModel
 
-    if speculative == "int8_draft" and not native_linear.available():
+    if speculative == "int8_draft" and not kernel.available():
         pytest.skip("the native CPU kernels could not be built")
 
     tok = make_tiny_tokenizer()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from helpers import make_pipeline, tiny_loaded
-from mtpflow.kernels import openmp
+from mtpflow.backends.native import openmp
 
 
 def _threads() -> set[str]:

@@ -17,7 +17,7 @@ A Llama-family model quantized by ``quantize_model`` is this model, and its forw
 - SiLU: ``(g / (1 + vexp(-g))) * u``; residuals in float32; the embedding: the model's float table (for a head
   tied to it, the int8 head's rows times their scales: ``Int8Weights.embedding``).
 
-The C kernel (``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in small_gemm.c, no fused multiply-adds between
+The C kernel (``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in gemm.c and rows_int8.c, no fused multiply-adds between
 its products) computes the same operations. Sums in float64 are rounded once to float32, so their order does not
 matter except when a sum lies within float64 rounding of a float32 rounding boundary (the tests measure how often
 that is: never, in the cases they run). "Lossless" over the int8 model means token-identical to
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpflow.kernels.native_linear import pack_q8, quantize_int8, unpack_q8
+from mtpflow.backends.native.products import pack_q8, quantize_int8, unpack_q8
 
 F32 = torch.float32
 # the integer dot products run as float32 matmuls over chunks of CHUNK columns: every partial sum is an integer
@@ -39,7 +39,7 @@ CHUNK = 1024
 
 @dataclass
 class Int8Linear:
-    """One linear of the int8 model: ``q`` its int8 weight [N, k] packed for the kernel (``native_linear.pack_q8``:
+    """One linear of the int8 model: ``q`` its int8 weight [N, k] packed for the kernel (``products.pack_q8``:
     zero-padded, in blocks), ``scale`` [N] float32, ``wsum`` [N] int32 (the rows' sums: the VNNI kernel's offset
     correction). ``rows()``: the weight [N, k]."""
     q: torch.Tensor
@@ -145,8 +145,8 @@ class Int8Weights:
 
 
 def _packed_bytes(*weights: torch.Tensor) -> int:
-    """Bytes of the packed int8 weight ``Int8Linear.of(*weights)`` makes (``native_linear.pack_q8``)."""
-    from mtpflow.kernels.native_linear import Q8_NB, Q8_STEP
+    """Bytes of the packed int8 weight ``Int8Linear.of(*weights)`` makes (``products.pack_q8``)."""
+    from mtpflow.backends.native.products import Q8_NB, Q8_STEP
 
     n, k = sum(int(w.shape[0]) for w in weights), int(weights[0].shape[1])
     return -(-n // Q8_NB) * Q8_NB * -(-k // Q8_STEP) * Q8_STEP
@@ -209,7 +209,7 @@ _EXP = {name: _c(v) for name, v in (
 
 
 def vexp(x: torch.Tensor) -> torch.Tensor:
-    """e^x as small_gemm.c's ``vexp`` computes it (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times
+    """e^x as gemm.c and rows_int8.c's ``vexp`` computes it (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, times
     2^n; x clamped to [-87, 88]), one float32 rounding per operation."""
     c = _EXP
     x = torch.where(x < c["lo"], c["lo"], x)

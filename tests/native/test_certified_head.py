@@ -9,12 +9,13 @@ import torch.nn.functional as F
 
 from helpers import hf_greedy, make_pipeline, make_tiny_model
 from mtpflow import backends
-from mtpflow.backends import native_cpu, quantize_int8
-from mtpflow.config import certified_head_enabled
+from mtpflow.backends import quantize_int8
+from mtpflow.backends.native import cpu as native_cpu
+from mtpflow.backends import ExecutionSpec
 from mtpflow.errors import ConfigError
-from mtpflow.kernels import certified_head, native_linear
+from mtpflow.backends.native import certified_head, kernel, products
 
-pytestmark = pytest.mark.skipif(not native_linear.available(), reason="the native CPU kernels could not be built")
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="the native CPU kernels could not be built")
 
 
 def head(vocab=512, hidden=64, seed=0) -> torch.nn.Linear:
@@ -101,9 +102,10 @@ def test_what_it_declines(monkeypatch):
     assert not off.takes_argmax_only()
     off.head_logits(x, True)
     assert not calls
-    assert certified_head_enabled({}) and not certified_head_enabled({"model": {"certified_head": False}})
+    assert ExecutionSpec.from_config({}).certified_head
+    assert not ExecutionSpec.from_config({"model": {"certified_head": False}}).certified_head
     with pytest.raises(ConfigError, match="model.certified_head must be true or false"):
-        certified_head_enabled({"model": {"certified_head": "yes"}})
+        ExecutionSpec.from_config({"model": {"certified_head": "yes"}})
 
 
 def test_only_greedy_argmax_readers_take_it(tiny, monkeypatch):

@@ -16,10 +16,10 @@ from helpers import make_pipeline, make_tiny_model, save_tiny_gemma, tiny_loaded
 from mtpflow import backends
 from mtpflow.config import available_strategies, compose
 from mtpflow.errors import UserError
-from mtpflow.kernels import int8_reference as R, native_linear
+from mtpflow.backends.native import int8_reference as R, kernel, products
 from mtpflow.request import Request
 
-needs_native = pytest.mark.skipif(not native_linear.available(), reason="no C compiler to build the native kernel")
+needs_native = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the native kernel")
 NEW_TOKENS = 24
 
 
@@ -37,9 +37,9 @@ def test_packing_round_trips():
     torch.manual_seed(0)
     for n, k in ((1, 1), (5, 7), (8, 64), (13, 130)):
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
-        packed = native_linear.pack_q8(q)
-        assert packed.shape[2:] == (native_linear.Q8_NB, native_linear.Q8_STEP)
-        assert torch.equal(native_linear.unpack_q8(packed, n, k), q)
+        packed = products.pack_q8(q)
+        assert packed.shape[2:] == (products.Q8_NB, products.Q8_STEP)
+        assert torch.equal(products.unpack_q8(packed, n, k), q)
         lin = R.Int8Linear(packed, torch.ones(n), q.sum(1, dtype=torch.int32), k)
         ids = torch.tensor([n - 1, 0, n // 2])
         assert torch.equal(lin.rows(ids), q[ids])
@@ -66,9 +66,9 @@ def test_the_kernel_product_is_the_reference_bit_for_bit(rows, n, k):
     torch.manual_seed(rows * 1000 + n)
     lin = R.Int8Linear.of(torch.randn(n, k))
     x = torch.randn(rows, k) * 3
-    got = native_linear.gemm_w8a8(x, lin.q, lin.scale, lin.wsum, k)
+    got = products.gemm_w8a8(x, lin.q, lin.scale, lin.wsum, k)
     assert torch.equal(got, R.linear(x, lin))
-    alone = torch.cat([native_linear.gemm_w8a8(x[i:i + 1], lin.q, lin.scale, lin.wsum, k) for i in range(rows)])
+    alone = torch.cat([products.gemm_w8a8(x[i:i + 1], lin.q, lin.scale, lin.wsum, k) for i in range(rows)])
     assert torch.equal(got, alone)  # each row's result is its own
 
 
@@ -108,7 +108,7 @@ def test_the_kernel_forward_is_the_reference_bit_for_bit(tied):
 
 
 def _sweep(loaded, strategy, heads_dir):
-    from test_cuda_strategies import sweep_overrides
+    from strategy_sweep import sweep_overrides
 
     return sweep_overrides(strategy, loaded, heads_dir)
 
@@ -122,7 +122,7 @@ def heads_dir(tmp_path_factory):
 def test_every_lossless_strategy_equals_the_int8_reference(heads_dir):
     """Every registered strategy over the int8 target of a tiny model: the lossless ones token-identical to the
     int8 reference's greedy on each prompt, decoded alone and then all of them in one engine batch."""
-    from test_cuda_strategies import PROMPTS
+    from strategy_sweep import PROMPTS
 
     loaded = int8_loaded(seed=0)
     reference = R.Int8Reference(loaded.int8)
@@ -134,7 +134,7 @@ def test_every_lossless_strategy_equals_the_int8_reference(heads_dir):
         pipe = make_pipeline(loaded, strategy, "trace=off", "temperature=0", f"max_new_tokens={NEW_TOKENS}",
                              "model.quantize=int8", *_sweep(loaded, strategy, heads_dir))
         try:
-            assert pipe.engine.backend.describe().startswith("native_cpu int8 w8a8")
+            assert pipe.engine.backend.describe().startswith("native_cpu cpu int8 w8a8")
             results = [pipe(prompt_ids=p) for p in PROMPTS]
             assert [r.token_ids for r in results] == wants, strategy
             drafted[strategy] = sum(r.stats["accepted_tokens"] for r in results)
@@ -217,7 +217,7 @@ def test_what_int8_does_not_apply_to_is_one_line():
 ])
 def test_bad_int8_settings_are_one_line_exit_2(argv, message, tmp_path):
     if any("GEMMA" in a for a in argv):
-        if not native_linear.available():
+        if not kernel.available():
             pytest.skip("no C compiler: the message would name the kernel, not the model")
         argv = [a.replace("GEMMA", str(save_tiny_gemma(tmp_path / "gemma"))) for a in argv]
     out = subprocess.run([sys.executable, "-m", "mtpflow", "prompt=hi", "trace=off", "max_new_tokens=4", *argv],

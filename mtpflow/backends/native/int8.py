@@ -2,8 +2,8 @@
 
 At batch 1 a CPU decode step is bound by reading the weights; int8 weights are a quarter of float32's bytes, and
 with the activations quantized per row the dot products run on the CPU's integer units (AVX-512 VNNI, else
-AVX2; ``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in small_gemm.c). The numerics are
-``mtpflow.kernels.int8_reference``'s, which defines the int8 model: "lossless" here means token-identical to its
+AVX2; ``mtpflow_w8a8_rows`` in rows_int8.c, the products in gemm.c). The numerics are
+``mtpflow.backends.native.int8_reference``'s, which defines the int8 model: "lossless" here means token-identical to its
 greedy, one token at a time, and every forward below computes exactly that model row by row (no result depends
 on the other rows in the call).
 
@@ -23,10 +23,10 @@ import torch
 
 from mtpflow.backends.base import Backend
 from mtpflow.backends.hf import own_taps
-from mtpflow.backends.native_cpu import verify_rows
+from mtpflow.backends.native import kernel, openmp, products
+from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model
+from mtpflow.backends.native.rows import verify_rows
 from mtpflow.errors import UserError
-from mtpflow.kernels import native_linear, openmp
-from mtpflow.kernels.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model
 from mtpflow.types import Verification
 
 # prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
@@ -100,22 +100,22 @@ class NativeInt8Backend(Backend):
 
     def __init__(self, model, weights: Int8Weights):
         super().__init__(model)
-        self.lib = native_linear.library()
+        self.lib = kernel.library()
         if self.lib is None:
-            raise ValueError("mtpflow's C kernel could not be built here (no C compiler, or MTPFLOW_NATIVE=0)")
+            raise ValueError("mtpflow's C kernel could not be built here (no C compiler: set CC, or install cc/gcc)")
         self.w = w = weights
         layers = w.layers
         lin = {name: [getattr(layer, name) for layer in layers] for name in ("qkv", "o", "gate_up", "down")}
-        self._arrays = {"ln1": native_linear.pointers([layer.ln1 for layer in layers]),
-                        "ln2": native_linear.pointers([layer.ln2 for layer in layers])}
+        self._arrays = {"ln1": kernel.pointers([layer.ln1 for layer in layers]),
+                        "ln2": kernel.pointers([layer.ln2 for layer in layers])}
         for key, name in (("qkv", "qkv"), ("o", "o"), ("gu", "gate_up"), ("d", "down")):
-            self._arrays["w" + key] = native_linear.pointers([x.q for x in lin[name]])
-            self._arrays["s" + key] = native_linear.pointers([x.scale for x in lin[name]])
-            self._arrays["z" + key] = native_linear.pointers([x.wsum for x in lin[name]])
+            self._arrays["w" + key] = kernel.pointers([x.q for x in lin[name]])
+            self._arrays["s" + key] = kernel.pointers([x.scale for x in lin[name]])
+            self._arrays["z" + key] = kernel.pointers([x.wsum for x in lin[name]])
         first = layers[0]
         self._dims = dict(L=len(layers), H=w.hidden, nh=w.heads, nkv=w.kv_heads, d=w.head_dim, I=w.intermediate,
                           kp_h=first.qkv.kp, kp_q=first.o.kp, kp_i=first.down.kp)
-        self.kv = native_linear.PoolPointers()
+        self.kv = kernel.PoolPointers()
 
     # ----- the kernel ---------------------------------------------------------------------------------------
     def run(self, pool, ids, positions, slots, wpos, prefix, count, allowed, taps=(), head_from: int | None = 0,
@@ -139,7 +139,7 @@ class NativeInt8Backend(Backend):
         head = self.w.head
         logits = None if head_from is None else torch.empty(m - head_from, head.n)
         ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, count)]
-        code = native_linear.w8a8_rows(
+        code = kernel.w8a8_rows(
             self.lib, h=h.data_ptr(), normed=normed.data_ptr(), taps=ctypes.addressof(tap_array) if tap_array else None,
             M=m, **{**self._dims, "L": layers or self._dims["L"]}, **self._arrays, norm_w=self.w.norm.data_ptr(),
             eps=self.w.eps, kc=keys, vc=values,
@@ -214,12 +214,20 @@ class NativeInt8Backend(Backend):
             drafted.append(token)
         return drafted
 
+    def kernel_identity(self) -> str:
+        return f"w8a8 {kernel.q8_isa(self.lib)} kernel:{kernel.source_hash()[:10]}"
+
     def describe(self) -> str:
-        return (f"native_cpu int8 w8a8 {native_linear.q8_isa(self.lib)} "
-                f"kernel:{native_linear.source_hash()[:10]}")
+        return f"{self.name} {self.device} int8 {self.kernel_identity()}"  # the float32 left (norms) is no dtype
+
+    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A draft head's product through the native row kernel (it reads the weight once for all rows)."""
+        if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            return products.linear(x, weight, lib=self.lib)
+        return super().linear_rows(x, weight)
 
     def thread_idle(self) -> None:
         openmp.release_workers()
 
     def stats(self) -> dict:
-        return {"backend": self.name, "int8_weights_mb": round(self.w.nbytes / 2**20, 1)}
+        return {**super().stats(), "int8_weights_mb": round(self.w.nbytes / 2**20, 1)}

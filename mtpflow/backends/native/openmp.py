@@ -1,6 +1,6 @@
 """Release a thread's idle OpenMP workers, so the thread that decodes keeps its workers spinning.
 
-Why: torch's CPU ops and the native linear (``small_gemm.c``) run their parallel regions on libgomp, which
+Why: torch's CPU ops and the native kernel (gemm.c, rows_float.c) run their parallel regions on libgomp, which
 gives every thread that starts a parallel region its own team of worker threads, kept for the thread's
 life. The engine decodes in its own thread while the caller (a script's main thread that loaded the model,
 ran ``model.generate``, ...) waits; the caller's idle workers still count as threads libgomp manages, and

@@ -1,4 +1,4 @@
-"""Pure-torch references of the native kernels' entry points (``small_gemm.c``), for the harness that checks every
+"""Pure-torch references of the native kernels' entry points (gemm.c, rows_float.c), for the harness that checks every
 build against them (tests/kernels/test_native_harness.py): the three products as ``F.linear`` over the weight each
 reads, and ``mtpflow_llama_rows`` (a whole Llama decoder stack over rows of several sequences, writing their keys
 and values into the KV pool) written out layer by layer. They compute in the dtype they are given (float64 for
@@ -16,7 +16,7 @@ def small_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight [n, K] that ``native_linear.pack_panels`` laid out as panels [ceil(n / 64), K, 64]."""
+    """The weight [n, K] that ``products.pack_panels`` laid out as panels [ceil(n / 64), K, 64]."""
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
 

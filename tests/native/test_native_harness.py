@@ -1,5 +1,5 @@
-"""Every native entry point (small_gemm.c) against its pure-torch reference (mtpflow.kernels.native_reference) over
-many shapes, for every build this CPU can run (native_linear.runnable_isas, plus the -march=native build the
+"""Every native entry point (mtpflow/backends/native/*.c) against its pure-torch reference (backends.native.reference) over
+many shapes, for every build this CPU can run (kernel.runnable_isas, plus the -march=native build the
 package uses), in the manner of llama.cpp's test-backend-ops; the versioned struct of mtpflow_llama_rows (a build
 of another ABI is refused, a struct of another version or size is answered with an error code); and a subset of
 the same checks under AddressSanitizer + UBSan, in a subprocess.
@@ -23,14 +23,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernel_cases import tree_allowed
+from mtpflow.backends.hf import tree_allowed
 from mtpflow.errors import UserError
-from mtpflow.kernels import native_linear, native_reference
-from mtpflow.kernels.native_reference import LlamaLayerWeights
+from mtpflow.backends.native import kernel, products, reference as native_reference
+from mtpflow.backends.native.reference import LlamaLayerWeights
 
-CC = native_linear.compiler()
+CC = kernel.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the native kernels")
-BUILDS = (*native_linear.runnable_isas(), "native")  # "native": native_linear.FLAGS, what library() builds
+BUILDS = (*kernel.runnable_isas(), "native")  # "native": kernel.FLAGS, what library() builds
 
 ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33)
 # (outputs n, inputs k): n below, at and past the 4-row blocks and the 64-wide panels; k below, at and past the
@@ -47,8 +47,8 @@ def builds(tmp_path_factory):
 
     def compile_one(name: str):
         out = folder / f"{name}.so"
-        done = (native_linear.build(CC, out) if name == "native" else native_linear.build_variant(name, out, CC))
-        return name, (native_linear.load(out) if done else None)
+        done = (kernel.build(CC, out) if name == "native" else kernel.build_variant(name, out, CC))
+        return name, (kernel.load(out) if done else None)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         return dict(pool.map(compile_one, BUILDS))
@@ -78,7 +78,7 @@ def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, case: str
 
 
 def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=(2, 7, 17, 33), seed=0) -> int:
-    """small_gemm, panel_gemm and small_gemm_q8 against their references, on every thread count for
+    """The float products (rows, panels) and the int8-weight product against their references, on every thread count for
     ``threaded_rows`` and on the first for the other row counts (the threads split the weight rows or panels,
     whatever the row count; on a busy 2-core host every 2-thread region can wait for a core); returns the number
     of calls checked."""
@@ -86,9 +86,9 @@ def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=
     calls = 0
     for n, k in shapes:
         w = torch.randn(n, k, generator=generator)
-        panels = native_linear.pack_panels(w)
+        panels = products.pack_panels(w)
         assert torch.equal(native_reference.unpack_panels(panels, n), w)  # the panels hold the weight
-        q, scale = native_linear.quantize_int8(w)
+        q, scale = products.quantize_int8(w)
         deq = q.double() * scale.double()[:, None]
         for m in rows:
             x = torch.randn(m, k, generator=generator)
@@ -103,16 +103,15 @@ def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=
                                                                     None if b is None else b.double())
                 for t in (threads if m in threaded_rows else threads[:1]):
                     case = f"m={m} n={n} k={k} bias={b is not None} threads={t}"
-                    y = torch.empty(m, n)
-                    lib.mtpflow_small_gemm(x.data_ptr(), w.data_ptr(), b_ptr, y.data_ptr(), m, n, k, t)
-                    _within(y, exact, bound, "small_gemm " + case)
-                    y = torch.empty(m, n)
-                    lib.mtpflow_panel_gemm(x.data_ptr(), panels.data_ptr(), b_ptr, y.data_ptr(), m, n, k, t)
-                    _within(y, panel_exact, bound, "panel_gemm " + case)
-                    y = torch.empty(m, n)
-                    lib.mtpflow_small_gemm_q8(x.data_ptr(), q.data_ptr(), scale.data_ptr(), b_ptr, y.data_ptr(), m,
-                                              n, k, t)
-                    _within(y, exact_q, bound_q, "small_gemm_q8 " + case)
+                    for kind, weight, ref, limit in ((products.F32, dict(w=w.data_ptr()), exact, bound),
+                                                     (products.PANELS, dict(panels=panels.data_ptr()), panel_exact,
+                                                      bound),
+                                                     (products.Q8, dict(q=q.data_ptr(), scale=scale.data_ptr()),
+                                                      exact_q, bound_q)):
+                        y = torch.empty(m, n)
+                        assert kernel.call(lib, "linear", kind=kind, M=m, N=n, K=k, threads=t, x=x.data_ptr(),
+                                           b=b_ptr, y=y.data_ptr(), **weight) == 0
+                        _within(y, ref, limit, f"mtpflow_linear kind {kind} {case}")
                     calls += 3
     return calls
 
@@ -184,7 +183,7 @@ class RowsInputs:
         slot, wpos, prefix, first, count, positions, masks = [], [], [], [], [], [], []
         for (p, kind, n), s in zip(case.sequences, slots):
             parents = _parents(kind, n, rng)
-            allowed = tree_allowed(parents)
+            allowed = tree_allowed(torch.tensor(parents[1:], dtype=torch.long) - 1)  # row 0: the root
             depth = [0] * n
             for i in range(1, n):
                 depth[i] = depth[parents[i]] + 1
@@ -216,7 +215,7 @@ class RowsInputs:
         emb = torch.cat((angles, angles), dim=-1)  # Llama's layout: the same frequencies in both halves
         self.cos, self.sin = emb.cos().float().contiguous(), emb.sin().float().contiguous()
         self.h = randn(m, H)
-        self.int8 = [[native_linear.quantize_int8(getattr(layer, name)) for layer in self.layers]
+        self.int8 = [[products.quantize_int8(getattr(layer, name)) for layer in self.layers]
                      for name in ("wqkv", "wo", "wgu", "wd")]
 
     def run(self, lib, threads: int, panels: bool = False, int8: bool = False):
@@ -227,22 +226,24 @@ class RowsInputs:
         weights = [_pointers([getattr(layer, name) for layer in self.layers])
                    for name in ("ln1", "wqkv", "wo", "ln2", "wgu", "wd")]
         held = []  # what the pointer arrays point into, alive until the call returns
-        panel_arrays = (None,) * 4
+        copies = {}
         if panels and not int8:
-            held = [[native_linear.pack_panels(getattr(layer, name)) for layer in self.layers]
+            held = [[products.pack_panels(getattr(layer, name)) for layer in self.layers]
                     for name in ("wqkv", "wo", "wgu", "wd")]
-            panel_arrays = tuple(_pointers(ps) for ps in held)
-        int8_arrays = (None,) * 8
+            copies = {name: _pointers(ps) for name, ps in zip(("pqkv", "po", "pgu", "pd"), held)}
         if int8:
-            int8_arrays = tuple(p for copies in self.int8
-                                for p in (_pointers([q for q, _ in copies]), _pointers([s for _, s in copies])))
+            for name, pairs in zip(("qkv", "o", "gu", "d"), self.int8):
+                copies["q" + name] = _pointers([q for q, _ in pairs])
+                copies["s" + name] = _pointers([s for _, s in pairs])
         ints = [torch.tensor(v, dtype=torch.int32) for v in (self.slot, self.wpos, self.prefix, self.first,
                                                              self.count)]
-        code = native_linear.llama_rows(
-            lib, h.data_ptr(), normed.data_ptr(), len(self.slot), c.L, c.H, c.nh, c.nkv, c.d, c.I, *weights,
-            *panel_arrays, self.norm.data_ptr(), self.eps, _pointers(keys), _pointers(values), self.capacity,
-            *[t.data_ptr() for t in ints], self.allowed.data_ptr(), self.allowed.shape[1], self.cos.data_ptr(),
-            self.sin.data_ptr(), self.scale, threads, *int8_arrays)
+        code = kernel.llama_rows(
+            lib, h=h.data_ptr(), normed=normed.data_ptr(), M=len(self.slot), L=c.L, H=c.H, nh=c.nh, nkv=c.nkv, d=c.d,
+            I=c.I, **dict(zip(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"), weights)), **copies,
+            norm_w=self.norm.data_ptr(), eps=self.eps, kc=_pointers(keys), vc=_pointers(values), cap=self.capacity,
+            **{name: t.data_ptr() for name, t in zip(("slot", "wpos", "prefix", "first", "count"), ints)},
+            allowed=self.allowed.data_ptr(), qmax=self.allowed.shape[1], cos=self.cos.data_ptr(),
+            sin=self.sin.data_ptr(), scale=self.scale, threads=threads)
         return h, normed, keys, values, code
 
     def reference(self, int8: bool = False):
@@ -309,7 +310,7 @@ def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), 
     ``lib``, each equal to ``int8_reference`` bit for bit; returns the number of calls checked."""
     from helpers import make_tiny_model
     from mtpflow.backends import create, quantize_int8
-    from mtpflow.kernels import int8_reference as R
+    from mtpflow.backends.native import int8_reference as R
 
     generator = torch.Generator().manual_seed(seed)
     calls = 0
@@ -317,12 +318,12 @@ def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), 
         lin = R.Int8Linear.of(torch.randn(n, k, generator=generator))
         for m in rows:
             x = torch.randn(m, k, generator=generator) * 3
-            assert torch.equal(native_linear.gemm_w8a8(x, lin.q, lin.scale, lin.wsum, k, lib), R.linear(x, lin)), \
+            assert torch.equal(products.gemm_w8a8(x, lin.q, lin.scale, lin.wsum, k, lib), R.linear(x, lin)), \
                 f"gemm_w8a8 m={m} n={n} k={k}"
             calls += 1
     model = make_tiny_model(96, seed=seed, layers=2)
     weights = quantize_int8(model)
-    backend = create(model, "auto", int8=weights)
+    backend = create(model, int8=weights)
     backend.lib = lib
     pool = backend.make_pool(2)
     prompts = [torch.randint(1, 96, (n,), generator=generator) for n in (9, 3)]
@@ -351,83 +352,88 @@ def test_the_int8_model_matches_its_reference_bit_for_bit(builds, build):
     lib = _lib(builds, build)
     expected = {"generic": "plain C", "avx2": "AVX2", "avx512": "AVX2"}.get(build)  # skylake-avx512: no VNNI
     if expected is not None:
-        assert native_linear.q8_isa(lib) == expected
+        assert kernel.q8_isa(lib) == expected
     assert check_w8a8(lib) == 5 * 6 + 3
 
 
 # ----- the versioned struct ----------------------------------------------------------------------------------
 
 def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
-    """Every member of RowsArgs and W8A8Args at the offset C gives it (a struct of the same size with two members
-    swapped would pass the size check)."""
+    """Every member of each entry point's struct mirror at the offset C gives it (a struct of the same size with two
+    members swapped would pass the size check)."""
     if CC is None:
         pytest.skip("no C compiler")
-    for struct, mirror in (("mtpflow_rows_args", native_linear.RowsArgs),
-                           ("mtpflow_w8a8_args", native_linear.W8A8Args)):
+    for source, struct, mirror in (("gemm.c", "mtpflow_linear_args", kernel.LinearArgs),
+                                   ("rows_float.c", "mtpflow_rows_args", kernel.RowsArgs),
+                                   ("rows_int8.c", "mtpflow_w8a8_args", kernel.W8A8Args)):
         names = [name for name, _ in mirror._fields_]
         helper = tmp_path / f"{struct}.c"
-        helper.write_text(f'#include <stddef.h>\n#include "{native_linear.SOURCE}"\n'
+        helper.write_text(f'#include <stddef.h>\n#include "{kernel.HERE / source}"\n'
                           "long offsets[] = {" + ", ".join(f"offsetof(struct {struct}, {n})" for n in names) + "};\n")
         out = tmp_path / f"{struct}.so"
-        assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), helper)
+        others = tuple(p for p in kernel.SOURCES if p.name != source)  # the rest of the library, for the link
+        assert kernel.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), (helper, *others))
         offsets = list((ctypes.c_long * len(names)).in_dll(ctypes.CDLL(str(out)), "offsets"))
         assert offsets == [getattr(mirror, n).offset for n in names], struct
-    assert native_linear.ROWS_VALUES == 43  # what the caller passes after the library
 
 
 @needs_cc
-@pytest.mark.parametrize("version,size_delta", [(native_linear.ROWS_ABI + 1, 0), (0, 0),
-                                                (native_linear.ROWS_ABI, -8), (native_linear.ROWS_ABI, 8)])
+@pytest.mark.parametrize("version,size_delta", [(2, 0), (0, 0), (1, -8), (1, 8)])  # every struct is at v1
 def test_a_struct_of_another_version_or_size_is_answered_with_an_error_code(builds, version, size_delta):
     """Every pointer NULL and M large: a function that read past version and size would crash."""
     lib = _lib(builds, "native")
-    args = native_linear.RowsArgs(version, ctypes.sizeof(native_linear.RowsArgs) + size_delta)
+    args = kernel.RowsArgs(version, ctypes.sizeof(kernel.RowsArgs) + size_delta)
     args.M, args.L, args.H = 1000, 30, 576
-    assert lib.mtpflow_llama_rows(ctypes.byref(args)) == native_linear.ROWS_BAD_ABI == -2
-    args = native_linear.W8A8Args(version, ctypes.sizeof(native_linear.W8A8Args) + size_delta)
+    assert lib.mtpflow_llama_rows(ctypes.byref(args)) == kernel.BAD_ABI == -2
+    args = kernel.W8A8Args(version, ctypes.sizeof(kernel.W8A8Args) + size_delta)
     args.M, args.L, args.H = 1000, 30, 576
-    assert lib.mtpflow_w8a8_rows(ctypes.byref(args)) == native_linear.ROWS_BAD_ABI
+    assert lib.mtpflow_w8a8_rows(ctypes.byref(args)) == kernel.BAD_ABI
+    args = kernel.LinearArgs(version, ctypes.sizeof(kernel.LinearArgs) + size_delta)
+    args.M, args.N, args.K = 1000, 1000, 1000
+    assert lib.mtpflow_linear(ctypes.byref(args)) == kernel.BAD_ABI
 
 
-def _build_edited(tmp_path, name: str, old: str, new: str) -> Path:
-    source = native_linear.SOURCE.read_text()
-    assert source.count(old) == 1, old
+def _build_edited(tmp_path, name: str, old: str, new: str, source: str = "rows_float.c") -> Path:
+    """The library with one edit in ``source``."""
+    text = (kernel.HERE / source).read_text()
+    assert text.count(old) == 1, old
     edited = tmp_path / f"{name}.c"
-    edited.write_text(source.replace(old, new))
+    edited.write_text(text.replace(old, new))
     out = tmp_path / f"{name}.so"
-    assert native_linear.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), edited)
+    sources = tuple(edited if p.name == source else p for p in kernel.SOURCES)
+    assert kernel.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), sources)
     return out
 
 
 @needs_cc
 def test_a_build_of_another_abi_is_refused_with_one_line(tmp_path, monkeypatch):
-    size = ctypes.sizeof(native_linear.RowsArgs)
+    size = ctypes.sizeof(kernel.RowsArgs)
     foreign = _build_edited(tmp_path, "v999", "#define MTPFLOW_ROWS_ABI 1\n", "#define MTPFLOW_ROWS_ABI 999\n")
     grown = _build_edited(tmp_path, "grown", "    int threads;\n    /* int8 copies",
                           "    int threads;\n    double extra;\n    /* int8 copies")
     bare = tmp_path / "bare.c"
     bare.write_text("int mtpflow_vector_width(void) { return 8; }\n")
-    assert native_linear.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), bare)
-    for path, says in ((foreign, f"has ABI v999 ({size} bytes), this mtpflow expects v1 ({size} bytes)"),
-                       (grown, f"has ABI v1 ({size + 8} bytes), this mtpflow expects v1 ({size} bytes)"),
-                       (tmp_path / "bare.so", "has no ABI version")):
+    assert kernel.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), (bare,))
+    for path, says in ((foreign, f"has mtpflow_llama_rows ABI v999 ({size} bytes), this mtpflow expects v1 ({size} bytes)"),
+                       (grown, f"has mtpflow_llama_rows ABI v1 ({size + 8} bytes), this mtpflow expects v1 ({size} bytes)"),
+                       (tmp_path / "bare.so", "lacks mtpflow_linear or its ABI version")):
         with pytest.raises(UserError) as refused:
-            native_linear.load(path)
+            kernel.load(path)
         message = str(refused.value)
         assert "\n" not in message and says in message and message.endswith("delete it to rebuild"), message
         assert message.startswith(f"native kernel {path} ")
     # the cached build of this source's path holding a foreign library: library() says so rather than carrying
     # on without the kernels
     monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path / "cache"))
-    native_linear.library.cache_clear()
+    kernel.library.cache_clear()
     try:
-        cached = native_linear.build_path(CC)
+        cached = kernel.build_path(CC)
         cached.parent.mkdir(parents=True)
         cached.write_bytes(foreign.read_bytes())
-        with pytest.raises(UserError, match="has ABI v999"):
-            native_linear.library()
+        with pytest.raises(UserError, match="has mtpflow_llama_rows ABI v999"):
+            kernel.library()
     finally:
-        native_linear.library.cache_clear()
+        kernel.library.cache_clear()
 
 
 # ----- under AddressSanitizer + UBSan ------------------------------------------------------------------------
@@ -440,7 +446,7 @@ def sanitizer_subset(paths: list[str]) -> None:
     """What the sanitized subprocess runs: a few shapes of every entry point on each build in ``paths``."""
     torch.set_num_threads(2)
     for path in paths:
-        lib = native_linear.load(Path(path))
+        lib = kernel.load(Path(path))
         check_products(lib, rows=(1, 2, 3, 7, 17), shapes=((1, 1), (5, 17), (65, 33), (130, 100)))
         for seed, case in enumerate(ROWS_CASES[1:3]):
             check_rows(lib, case, seed)
@@ -466,11 +472,11 @@ def test_every_entry_point_under_address_and_undefined_behaviour_sanitizers(tmp_
     asan = _runtime("libasan.so")
     if asan is None:
         pytest.skip(f"{CC} has no AddressSanitizer runtime (libasan.so; Debian: apt-get install libasan8)")
-    widest = [isa for isa in ("avx512", "avx2") if isa in native_linear.runnable_isas()][:1]
+    widest = [isa for isa in ("avx512", "avx2") if isa in kernel.runnable_isas()][:1]
     flag_sets = {"sanitized-generic": SANITIZE,
-                 **{f"sanitized-{isa}": (*SANITIZE, *native_linear.ISA_FLAGS[isa]) for isa in widest}}
+                 **{f"sanitized-{isa}": (*SANITIZE, *kernel.ISA_FLAGS[isa]) for isa in widest}}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        built = dict(zip(flag_sets, pool.map(lambda item: native_linear.build(CC, tmp_path / f"{item[0]}.so", item[1]),
+        built = dict(zip(flag_sets, pool.map(lambda item: kernel.build(CC, tmp_path / f"{item[0]}.so", item[1]),
                                              flag_sets.items())))
     assert built["sanitized-generic"], f"{CC} cannot build with {' '.join(SANITIZE)}"
     paths = [str(tmp_path / f"{name}.so") for name, ok in built.items() if ok]

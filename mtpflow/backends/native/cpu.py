@@ -2,15 +2,18 @@
 
 On a CPU at small batch a decode step is bound by reading the weights. Here:
 - every verify forward (a plain step, a chain, a tree; one sequence or the engine's whole batch) runs all decoder
-  layers in ONE call into ``mtpflow_llama_rows`` (``mtpflow/kernels/small_gemm.c``), over only the real rows;
-- prefills and verifies that need hidden states of inner layers run the lean forward's layers in Python
-  (``mtpflow.forward``) with this backend's products: the native row and panel kernels over the fused q/k/v and
-  gate/up weights;
+  layers in ONE call into ``mtpflow_llama_rows`` (``rows_float.c``), over only the real rows;
+- prefills run the lean forward's layers in Python (``mtpflow.forward``, through ``torch_forward``: an ``hf``
+  backend over the same model) with this backend's products: the native row and panel kernels over the fused
+  q/k/v and gate/up weights;
+- a verify the kernel declines (a strategy wants the hidden states of inner layers, or a weight was replaced)
+  runs that same torch forward as a named fallback: counted in ``stats()`` and in the run's stats
+  (``backend_fallbacks``), never silently;
 - greedy sequences whose stages read only each row's argmax get the certified int8 LM head
-  (``mtpflow.kernels.certified_head``): the argmax exact at a quarter of the head's bytes;
+  (``certified_head``): the argmax exact at a quarter of the head's bytes;
 - ``self_draft`` drafts with the target's own layers over an int8 copy of their weights (``int8_draft``).
 
-A model loaded with ``model.quantize=int8`` is the int8 model: ``mtpflow.backends.native_int8`` runs it.
+A model loaded with ``model.quantize=int8`` is the int8 model: ``mtpflow.backends.native.int8`` runs it.
 
 The rule that chooses kernels is fixed, not timed per host: native products for every row count where the C
 kernel builds; otherwise the backend does not apply and ``auto`` picks ``hf`` (the per-host plan timings it
@@ -23,15 +26,15 @@ memory), which the fused products read; panel copies, int8 copies and the certif
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from mtpflow import forward as lean_forward
-from mtpflow.backends.hf import HFBackend, tree_allowed
-from mtpflow.kernels import native_linear, openmp
-from mtpflow.kernels.certified_head import CertifiedHead, applies as certified_applies
+from mtpflow.backends.base import Backend
+from mtpflow.backends.hf import HFBackend
+from mtpflow.backends.native import kernel, openmp, products
+from mtpflow.backends.native.certified_head import CertifiedHead, applies as certified_applies
+from mtpflow.backends.native.rows import VerifyRows, verify_rows
 from mtpflow.types import Verification
 
 LLAMA = "transformers.models.llama.modeling_llama"
@@ -48,8 +51,8 @@ def not_applicable(model, dtypes=(torch.float32,)) -> str | None:
         return f"it runs {names} weights and the model is {str(param.dtype).replace('torch.', '')}"
     if param.is_inference():
         return "the weights were created under torch.inference_mode() (their in-place changes cannot be tracked)"
-    if not native_linear.available():
-        return "mtpflow's C kernel could not be built here (no C compiler, or MTPFLOW_NATIVE=0)"
+    if not kernel.available():
+        return "mtpflow's C kernel could not be built here (no C compiler: set CC, or install cc/gcc)"
     if not lean_forward.supports(model):
         attn = getattr(model.config, "_attn_implementation", "?")
         return f"it runs Llama-family models on SDPA attention, not {type(model).__name__} on {attn}"
@@ -116,54 +119,6 @@ class _Fused:
         return (self.weight._version, *(p._parameters["weight"]._version for p in self.parts))
 
 
-@dataclass
-class VerifyRows:
-    """One verify forward's rows as the C entry points take them (``mtpflow_llama_rows``, ``mtpflow_w8a8_rows``):
-    every sequence's root and draft nodes one after another, no padding. Row r feeds ``ids[r]`` at rope
-    ``positions[r]`` into pool slot ``slots[r]`` at ``wpos[r]``, seeing the slot's first ``prefix[r]`` entries and
-    the new entries of its own sequence (rows ``first[r]`` .. + ``count[r]``) that ``allowed[r]`` marks."""
-    ids: torch.Tensor        # [rows]
-    positions: torch.Tensor  # [rows]
-    allowed: torch.Tensor    # uint8 [rows, the most rows of one sequence]
-    slots: list[int]
-    wpos: list[int]
-    prefix: list[int]
-    first: list[int]
-    count: list[int]
-    starts: list[int]        # each sequence's first row
-    counts: list[int]        # each sequence's rows
-
-
-def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
-    """The rows of ONE verify forward over every target's root and chain or tree (``Backend.verify``'s arguments),
-    each written after the target's committed entries."""
-    ids, positions, masks = [], [], []
-    for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
-        ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
-        base = root_position - target.position_shift
-        if draft.num_nodes:
-            positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()]))
-            masks.append(tree_allowed(draft.parents))
-        else:
-            positions.append(torch.tensor([base], dtype=torch.long))
-            masks.append(torch.ones(1, 1, dtype=torch.bool))
-    counts = [int(t.numel()) for t in ids]
-    allowed = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
-    rows = VerifyRows(torch.cat(ids), torch.cat(positions), allowed, [], [], [], [], [], [], counts)
-    start = 0
-    for target, n, mask in zip(targets, counts, masks):
-        length = target.kv.length
-        allowed[start:start + n, :n] = mask
-        rows.slots += [target.kv.slot] * n
-        rows.wpos += range(length, length + n)
-        rows.prefix += [length] * n
-        rows.first += [start] * n
-        rows.count += [n] * n
-        rows.starts.append(start)
-        start += n
-    return rows
-
-
 class NativeProducts(lean_forward.Products):
     """The lean forward's products through the native kernels (fused where the weights still are)."""
 
@@ -191,7 +146,7 @@ class NativeProducts(lean_forward.Products):
         return self.backend.module(model.lm_head, h)
 
 
-class NativeCPUBackend(HFBackend):
+class NativeCPUBackend(Backend):
     """Forwards through ``mtpflow_llama_rows`` and the native products; see the module docstring."""
 
     name = "native_cpu"
@@ -201,13 +156,17 @@ class NativeCPUBackend(HFBackend):
         reason = not_applicable(model)
         if reason is not None:
             raise ValueError(reason)  # ``mtpflow.backends.create`` turns it into one line for the user
-        self.lib = native_linear.library()
+        self.lib = kernel.library()
         layers = list(model.model.layers[: model.config.num_hidden_layers])
         self.layers = layers
         self.qkv = [_Fused([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj]) for b in layers]
         self.gate_up = [_Fused([b.mlp.gate_proj, b.mlp.up_proj]) for b in layers]
         self.certified = bool(certified_head)
+        # the lean forward in torch over the same model with this backend's products: every prefill, and the
+        # verifies the kernel declines (named fallbacks)
         self.products = NativeProducts(self)
+        self.torch_forward = HFBackend(model)
+        self.torch_forward.products = self.products
         self._panels: dict[int, tuple] = {}  # weight data_ptr -> (version, panel copy)
         self._head: CertifiedHead | None = None
         self._rows = _RowSpec(self)
@@ -217,8 +176,8 @@ class NativeCPUBackend(HFBackend):
         """``F.linear(x, weight, bias)`` through the native kernels, the panel kernel from its row threshold
         (``version``: what tells an in-place change of ``weight``, its own version counter by default)."""
         rows = x.numel() // x.shape[-1]
-        panels = self.panels(weight, version) if rows >= native_linear.panel_min_rows(self.lib) else None
-        return native_linear.linear(x, weight, bias, panels, self.lib)
+        panels = self.panels(weight, version) if rows >= kernel.panel_min_rows(self.lib) else None
+        return products.linear(x, weight, bias, panels, self.lib)
 
     def module(self, m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
         """A linear module's product: native for float32 weights."""
@@ -227,14 +186,20 @@ class NativeCPUBackend(HFBackend):
             return F.linear(x, weight, m.bias)
         return self.linear(weight, x, m.bias)
 
+    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A draft head's product through the native row kernel (it reads the weight once for all rows)."""
+        if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled():
+            return products.linear(x, weight, lib=self.lib)
+        return super().linear_rows(x, weight)
+
     def panels(self, weight: torch.Tensor, version=None) -> torch.Tensor:
-        """The panel copy of ``weight`` (``native_linear.pack_panels``), built on first use and again when the
+        """The panel copy of ``weight`` (``products.pack_panels``), built on first use and again when the
         weight changed in place (``version``, else its own version counter)."""
         key = weight.data_ptr()
         version = weight._version if version is None else version
         held = self._panels.get(key)
         if held is None or held[0] != version:
-            held = (version, native_linear.pack_panels(weight))
+            held = (version, products.pack_panels(weight))
             self._panels[key] = held
         return held[1]
 
@@ -254,9 +219,9 @@ class NativeCPUBackend(HFBackend):
     def takes_argmax_only(self) -> bool:
         return self.certified
 
-    def describe(self) -> str:
-        kind = "float32" + (" certified-head" if self.certified else "")
-        return f"native_cpu {kind} kernel:{native_linear.source_hash()[:10]} vw{self.lib.mtpflow_vector_width()}"
+    def kernel_identity(self) -> str:
+        head = "certified-head " if self.certified else ""
+        return f"{head}kernel:{kernel.source_hash()[:10]} vw{self.lib.mtpflow_vector_width()}"
 
     def thread_idle(self) -> None:
         openmp.release_workers()
@@ -265,16 +230,28 @@ class NativeCPUBackend(HFBackend):
         held = sum(p.numel() * 4 for _, p in self._panels.values())
         held += self._head.nbytes if self._head is not None else 0
         held += self._rows.int8_bytes
-        return {"backend": self.name, "backend_copies_mb": round(held / 2**20, 1)}
+        return {**super().stats(), "backend_copies_mb": round(held / 2**20, 1)}
+
+    def prefill(self, targets, prompts, prefix_cache=None, starts=None):
+        return self.torch_forward.prefill(targets, prompts, prefix_cache, starts)
+
+    def declines(self, targets) -> str | None:
+        """Why the kernel cannot run this verify (a fallback's name), or None where it runs it."""
+        if any(set(t.taps) - {-1} for t in targets):
+            return "hidden states of inner layers"
+        if not self._rows.ready():
+            return "a weight was replaced"
+        return None
 
     @torch.inference_mode()
     def verify(self, targets, roots, drafts, root_positions):
+        reason = self.declines(targets)
+        if reason is not None:
+            return self.fall_back(reason, self.torch_forward.verify(targets, roots, drafts, root_positions))
         t0 = time.perf_counter()
-        rows = self._rows
-        if any(set(t.taps) - {-1} for t in targets) or not rows.ready():
-            return super().verify(targets, roots, drafts, root_positions)
         described = verify_rows(targets, roots, drafts, root_positions)
-        logits, hidden = rows.run_groups(targets[0].pool, described, argmax_only=all(t.argmax_only for t in targets))
+        logits, hidden = self._rows.run_groups(targets[0].pool, described,
+                                               argmax_only=all(t.argmax_only for t in targets))
         seconds = time.perf_counter() - t0
         results = []
         for target, n, start in zip(targets, described.counts, described.starts):
@@ -290,9 +267,13 @@ class NativeCPUBackend(HFBackend):
         (``_RowSpec.int8``): one row per token through ``mtpflow_llama_rows`` over the target's slot, whose first
         ``length`` entries (the committed tokens, written by the float32 verify forwards) every row attends to;
         the draft's own entries go after them, where the next verify forward overwrites them. The LM head is the
-        certified one (its argmax is the float32 head's over these hidden states)."""
+        certified one (its argmax is the float32 head's over these hidden states). None (no draft this step,
+        counted as a fallback) where a weight was replaced."""
         rows = self._rows
-        if layers is not None or not rows.ready():
+        if layers is not None:
+            return None
+        if not rows.ready():
+            self.fall_back("self-draft: a weight was replaced")
             return None
         one = torch.ones(1, 1, dtype=torch.uint8)
         length, token, drafted = target.cache_len, root, []
@@ -316,8 +297,8 @@ class _RowSpec:
         inner = model.model
         layers = backend.layers
         first = layers[0].self_attn
-        self.dims = (len(layers), int(cfg.hidden_size), int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
-                     int(first.head_dim), int(cfg.intermediate_size))
+        self.dims = dict(L=len(layers), H=int(cfg.hidden_size), nh=int(cfg.num_attention_heads),
+                         nkv=int(cfg.num_key_value_heads), d=int(first.head_dim), I=int(cfg.intermediate_size))
         self.eps, self.scale = float(inner.norm.variance_epsilon), float(first.scaling)
         self.norm = inner.norm.weight
         plain = [m for block in layers for m in (block.input_layernorm, block.self_attn.o_proj,
@@ -331,10 +312,10 @@ class _RowSpec:
         # what tells each product's weight changed in place (a fused weight: its parts' counters too)
         self.version_of = [[f for f in backend.qkv], [b.self_attn.o_proj for b in layers],
                            [f for f in backend.gate_up], [b.mlp.down_proj for b in layers]]
-        qkv, o, gu, down = (native_linear.pointers(ws) for ws in self.weights_by_product)
-        self.weights = (native_linear.pointers([b.input_layernorm.weight for b in layers]), qkv, o,
-                        native_linear.pointers([b.post_attention_layernorm.weight for b in layers]), gu, down)
-        self.kv = native_linear.PoolPointers()  # the pool's key and value pointer arrays
+        qkv, o, gu, down = (kernel.pointers(ws) for ws in self.weights_by_product)
+        self.weights = dict(ln1=kernel.pointers([b.input_layernorm.weight for b in layers]), wqkv=qkv, wo=o,
+                            ln2=kernel.pointers([b.post_attention_layernorm.weight for b in layers]), wgu=gu, wd=down)
+        self.kv = kernel.PoolPointers()  # the pool's key and value pointer arrays
         self._panels = None  # (the weights' versions, the panel pointer arrays)
         self._q8 = None  # (the weights' versions, int8 copies, their pointer arrays): ``int8`` builds it
 
@@ -351,15 +332,18 @@ class _RowSpec:
         return (all(params["weight"].data_ptr() == ptr for params, ptr in self.watched)
                 and all(f.ready() for f in self.fused))
 
-    def int8(self):
-        """The 8 pointer arrays (int8 weights, scales; per product) of an int8 copy of the four products, built on
-        first use (``native_linear.quantize_int8``, one scale per output feature) and again when a weight changed
-        in place: what the self-draft runs."""
+    def int8(self) -> dict:
+        """The struct members (int8 weights ``q*`` and scales ``s*``, per product) of an int8 copy of the four
+        products, built on first use (``products.quantize_int8``, one scale per output feature) and again when a
+        weight changed in place: what the self-draft runs."""
         versions = self._versions()
         if self._q8 is None or self._q8[0] != versions:
-            copies = [[native_linear.quantize_int8(w) for w in ws] for ws in self.weights_by_product]
-            pointers = tuple(p for cs in copies for p in (native_linear.pointers([q for q, _ in cs]), native_linear.pointers([s for _, s in cs])))
-            self._q8 = (versions, copies, pointers)
+            copies = [[products.quantize_int8(w) for w in ws] for ws in self.weights_by_product]
+            members = {}
+            for name, cs in zip(("qkv", "o", "gu", "d"), copies):
+                members["q" + name] = kernel.pointers([q for q, _ in cs])
+                members["s" + name] = kernel.pointers([s for _, s in cs])
+            self._q8 = (versions, copies, members)
         return self._q8[2]
 
     @property
@@ -369,16 +353,18 @@ class _RowSpec:
             return 0
         return sum(q.numel() + 4 * s.numel() for cs in self._q8[1] for q, s in cs)
 
-    def panels(self, rows: int):
-        """Pointer arrays to each product's panel copy from ``native_linear.panel_min_rows()`` rows, else NULLs;
-        rebuilt only when a weight changed in place (its version)."""
-        if rows < native_linear.panel_min_rows(self.backend.lib):
-            return (None,) * 4
+    def panels(self, rows: int) -> dict:
+        """The struct members ``pqkv, po, pgu, pd``: pointer arrays to each product's panel copy from
+        ``kernel.panel_min_rows()`` rows, else none (the row kernel); rebuilt only when a weight changed in place
+        (its version)."""
+        if rows < kernel.panel_min_rows(self.backend.lib):
+            return {}
         versions = self._versions()
         if self._panels is None or self._panels[0] != versions:
-            self._panels = (versions, tuple(native_linear.pointers([self.backend.panels(w, self._version(o))
-                                                       for w, o in zip(ws, os_)])
-                                            for ws, os_ in zip(self.weights_by_product, self.version_of)))
+            self._panels = (versions, {name: kernel.pointers([self.backend.panels(w, self._version(o))
+                                                              for w, o in zip(ws, os_)])
+                                       for name, ws, os_ in zip(("pqkv", "po", "pgu", "pd"), self.weights_by_product,
+                                                                self.version_of)})
         return self._panels[1]
 
     def run(self, pool, ids, positions, slots, wpos, prefix, first, count, allowed, argmax_only=False, int8=False):
@@ -394,13 +380,13 @@ class _RowSpec:
         normed = torch.empty_like(h)
         ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, first, count)]
         m = len(slots)
-        panels, int8_copy = ((None,) * 4, self.int8()) if int8 else (self.panels(m), (None,) * 8)
-        if native_linear.llama_rows(backend.lib, h.data_ptr(), normed.data_ptr(), m, *self.dims, *self.weights,
-                                    *panels,
-                                    self.norm.data_ptr(), self.eps, keys, values, pool.capacity,
-                                    *[t.data_ptr() for t in ints], allowed.data_ptr(), allowed.shape[1],
-                                    cos.data_ptr(), sin.data_ptr(), self.scale, torch.get_num_threads(),
-                                    *int8_copy) != 0:
+        code = kernel.llama_rows(backend.lib, h=h.data_ptr(), normed=normed.data_ptr(), M=m, **self.dims, **self.weights,
+                                 **(self.int8() if int8 else self.panels(m)), norm_w=self.norm.data_ptr(), eps=self.eps,
+                                 kc=keys, vc=values, cap=pool.capacity, slot=ints[0].data_ptr(), wpos=ints[1].data_ptr(),
+                                 prefix=ints[2].data_ptr(), first=ints[3].data_ptr(), count=ints[4].data_ptr(),
+                                 allowed=allowed.data_ptr(), qmax=allowed.shape[1], cos=cos.data_ptr(),
+                                 sin=sin.data_ptr(), scale=self.scale, threads=torch.get_num_threads())
+        if code != 0:
             raise MemoryError("mtpflow_llama_rows: out of memory")
         return backend.head_logits(normed, argmax_only), normed
 

@@ -8,20 +8,20 @@ import torch.nn.functional as F
 
 from helpers import hf_greedy, make_pipeline, make_tiny_model, tiny_loaded
 from mtpflow import backends
-from mtpflow.backends import native_cpu
+from mtpflow.backends.native import cpu as native_cpu
 from mtpflow.errors import UserError
-from mtpflow.kernels import native_linear
+from mtpflow.backends.native import kernel, products
 
-needs_native = pytest.mark.skipif(not native_linear.available(), reason="no C compiler to build the native kernel")
+needs_native = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the native kernel")
 
 
 @pytest.fixture
 def fresh_library(monkeypatch, tmp_path):
-    """native_linear.library() built afresh into an empty cache; the process-wide build is restored after."""
+    """kernel.library() built afresh into an empty cache; the process-wide build is restored after."""
     monkeypatch.setenv("MTPFLOW_CACHE", str(tmp_path))
-    native_linear.library.cache_clear()
+    kernel.library.cache_clear()
     yield tmp_path
-    native_linear.library.cache_clear()
+    kernel.library.cache_clear()
 
 
 @needs_native
@@ -35,19 +35,19 @@ def test_both_kernels_match_f_linear(rows, shape, bias):
     b = torch.randn(out_f) if bias else None
     ref = F.linear(x, w, b)
     tol = dict(rtol=1e-4, atol=1e-4 * in_f ** 0.5)
-    torch.testing.assert_close(native_linear.linear(x, w, b), ref, **tol)  # row kernel
-    torch.testing.assert_close(native_linear.linear(x, w, b, native_linear.pack_panels(w)), ref, **tol)  # panels
+    torch.testing.assert_close(products.linear(x, w, b), ref, **tol)  # row kernel
+    torch.testing.assert_close(products.linear(x, w, b, products.pack_panels(w)), ref, **tol)  # panels
 
 
 @needs_native
 def test_the_avx2_build_matches_f_linear(tmp_path):
     """The 8-float build (CPUs without AVX-512) has its own block sizes and takes 1-2 rows one weight row at a
     time; built here with AVX-512 turned off."""
-    cc = native_linear.compiler()
+    cc = kernel.compiler()
     out = tmp_path / "avx2.so"
-    if not native_linear.build(cc, out, (*native_linear.FLAGS, "-mno-avx512f")):
+    if not kernel.build(cc, out, (*kernel.FLAGS, "-mno-avx512f")):
         pytest.skip("the compiler cannot target AVX2 without AVX-512 here")
-    lib = native_linear.load(out)
+    lib = kernel.load(out)
     assert lib.mtpflow_vector_width() == 8  # really the 8-float code path
     torch.manual_seed(0)
     for rows in (1, 2, 3, 4, 5, 6, 7, 13, 16, 17):  # the one-row path, 3-row tiles, remainders
@@ -55,8 +55,8 @@ def test_the_avx2_build_matches_f_linear(tmp_path):
             x, w, b = torch.randn(rows, in_f), torch.randn(out_f, in_f), torch.randn(out_f)
             ref = F.linear(x, w, b)
             tol = dict(rtol=1e-4, atol=1e-4 * in_f ** 0.5)
-            torch.testing.assert_close(native_linear.linear(x, w, b, lib=lib), ref, **tol)
-            torch.testing.assert_close(native_linear.linear(x, w, b, native_linear.pack_panels(w), lib=lib), ref, **tol)
+            torch.testing.assert_close(products.linear(x, w, b, lib=lib), ref, **tol)
+            torch.testing.assert_close(products.linear(x, w, b, products.pack_panels(w), lib=lib), ref, **tol)
 
 
 @needs_native
@@ -65,21 +65,22 @@ def test_a_rows_panel_product_does_not_depend_on_the_rows_beside_it(tmp_path, av
     """Every panel tile (1-6 rows) sums each output over k in the same order, so a row's product through the
     panel kernel is bit-identical whether it runs alone or among 2-20 rows (other tiles): a sequence's logits
     from the panels do not change with the rows of other sequences verified beside it."""
-    lib = native_linear.library()
+    lib = kernel.library()
     if avx2:
         out = tmp_path / "avx2.so"
-        if not native_linear.build(native_linear.compiler(), out, (*native_linear.FLAGS, "-mno-avx512f")):
+        if not kernel.build(kernel.compiler(), out, (*kernel.FLAGS, "-mno-avx512f")):
             pytest.skip("the compiler cannot target AVX2 without AVX-512 here")
-        lib = native_linear.load(out)
+        lib = kernel.load(out)
     torch.manual_seed(1)
     w = torch.randn(200, 576)
-    panels = native_linear.pack_panels(w)
+    panels = products.pack_panels(w)
     x = torch.randn(20, 576)
 
     def panel_product(rows: torch.Tensor) -> torch.Tensor:
         y = torch.empty(rows.shape[0], w.shape[0])
-        lib.mtpflow_panel_gemm(rows.data_ptr(), panels.data_ptr(), None, y.data_ptr(), rows.shape[0], w.shape[0],
-                               w.shape[1], torch.get_num_threads())
+        assert kernel.call(lib, "linear", kind=products.PANELS, M=rows.shape[0], N=w.shape[0], K=w.shape[1],
+                           threads=torch.get_num_threads(), x=rows.data_ptr(), panels=panels.data_ptr(),
+                           y=y.data_ptr()) == 0
         return y
 
     alone = torch.cat([panel_product(x[i:i + 1].contiguous()) for i in range(20)])
@@ -93,44 +94,43 @@ def test_leading_dims_and_non_contiguous_inputs():
     w, b = torch.randn(40, 32), torch.randn(40)
     x = torch.randn(32, 7).t()[None]  # (1, 7, 32), not contiguous
     assert not x.is_contiguous()
-    got = native_linear.linear(x, w, b, native_linear.pack_panels(w))
+    got = products.linear(x, w, b, products.pack_panels(w))
     assert got.shape == (1, 7, 40)
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
 def test_panel_layout():
     w = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
-    panels = native_linear.pack_panels(w)
-    assert panels.shape == (2, 3, native_linear.PANEL)
-    assert torch.equal(panels[1, 2, 5], w[native_linear.PANEL + 5, 2])
-    assert torch.equal(panels[0, :, :].t(), w[: native_linear.PANEL])
-    assert not panels[1, :, 70 - native_linear.PANEL:].any()  # zero rows past the weight's end
+    panels = products.pack_panels(w)
+    assert panels.shape == (2, 3, products.PANEL)
+    assert torch.equal(panels[1, 2, 5], w[products.PANEL + 5, 2])
+    assert torch.equal(panels[0, :, :].t(), w[: products.PANEL])
+    assert not panels[1, :, 70 - products.PANEL:].any()  # zero rows past the weight's end
 
 
-def test_turned_off_or_no_compiler_means_no_native_backend(fresh_library, monkeypatch):
-    """Without the kernels the native_cpu backend does not apply: ``auto`` runs ``hf``, an explicit
-    ``native_cpu`` is one line."""
+def test_no_compiler_means_no_native_backend(fresh_library, monkeypatch, capsys):
+    """Without the kernels the native_cpu backend does not apply: ``auto`` runs ``hf`` and says why once, an
+    explicit ``native_cpu`` is one line."""
     model = make_tiny_model(64, layers=1)
-    monkeypatch.setenv("MTPFLOW_NATIVE", "0")
-    assert native_linear.library() is None
-    assert "C kernel could not be built" in native_cpu.not_applicable(model)
-    native_linear.library.cache_clear()
-    monkeypatch.delenv("MTPFLOW_NATIVE")
     monkeypatch.setenv("CC", str(fresh_library / "no-such-compiler"))
-    assert not native_linear.available()
+    assert kernel.library() is None and not kernel.available()
     assert "C kernel could not be built" in native_cpu.not_applicable(model)
-    assert backends.create(model, "auto").name == "hf"
+    assert backends.create(model).name == "hf"
+    assert backends.create(model).name == "hf"
+    said = capsys.readouterr().err.splitlines()
+    assert len([line for line in said if "C kernel could not be built" in line]) == 1, said
+    assert said[-1].startswith("mtpflow: model.backend=auto runs hf (PyTorch): the native_cpu backend does not apply")
     with pytest.raises(UserError, match="model.backend=native_cpu does not apply here: mtpflow's C kernel"):
-        backends.create(model, "native_cpu")
+        backends.create(model, backends.ExecutionSpec(backend="native_cpu"))
 
 
 @needs_native
 def test_a_damaged_cached_build_is_rebuilt(fresh_library):
-    path = native_linear.build_path(native_linear.compiler())
+    path = kernel.build_path(kernel.compiler())
     assert path.parent.parent == fresh_library
     path.parent.mkdir(parents=True)
     path.write_bytes(b"not a shared library")  # e.g. a build cut short
-    assert native_linear.available()
+    assert kernel.available()
     assert path.read_bytes()[:4] == b"\x7fELF"
 
 
@@ -143,19 +143,19 @@ def test_the_backend_routes_rows_to_the_right_kernel(monkeypatch):
     backend = native_cpu.NativeCPUBackend(make_tiny_model(96, layers=1))
     layer = backend.model.model.layers[0].mlp.down_proj
     calls = []
-    for name in ("mtpflow_small_gemm", "mtpflow_panel_gemm"):
-        real = getattr(backend.lib, name)
-        monkeypatch.setattr(backend.lib, name, lambda *a, name=name, real=real: calls.append(name) or real(*a))
+    real = kernel.call
+    kinds = {products.F32: "rows", products.PANELS: "panels"}
+    monkeypatch.setattr(kernel, "call", lambda lib, entry, **m: calls.append(kinds[m["kind"]]) or real(lib, entry, **m))
     with torch.inference_mode():
-        for rows in range(1, native_linear.panel_min_rows(backend.lib)):
+        for rows in range(1, kernel.panel_min_rows(backend.lib)):
             x = torch.randn(1, rows, layer.in_features)
             torch.testing.assert_close(backend.module(layer, x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-        assert set(calls) <= {"mtpflow_small_gemm"} and not backend._panels  # the row kernel needs no copy
+        assert set(calls) <= {"rows"} and not backend._panels  # the row kernel needs no copy
         for rows in (9, 40):  # a verify's rows, a prompt's
             calls.clear()
             x = torch.randn(1, rows, layer.in_features)
             torch.testing.assert_close(backend.module(layer, x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)
-            assert calls == ["mtpflow_panel_gemm"] and layer.weight.data_ptr() in backend._panels
+            assert calls == ["panels"] and layer.weight.data_ptr() in backend._panels
         with torch.no_grad():
             layer.weight.mul_(2.0)  # panels follow the weight
         torch.testing.assert_close(backend.module(layer, x), F.linear(x, layer.weight), rtol=1e-5, atol=1e-5)

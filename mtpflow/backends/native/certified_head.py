@@ -2,7 +2,7 @@
 
 A greedy gate reads one thing from each verify row: the target's argmax. At batch 1 on a CPU the LM head reads
 its whole float32 weight every step (the default model's: 113 MB, a fifth of a step's weight bytes), for 1 to 17
-rows. Here the head runs through the native int8 kernel (``native_linear.linear_int8``: a quarter of the bytes)
+rows. Here the head runs through the native int8 kernel (``products.linear_int8``: a quarter of the bytes)
 and every logit comes with a rigorous error bound: for weight row ``w_j = q_j * s_j + r_j``,
 
     |x . w_j - approx_j| <= ||x||_2 * ||r_j||_2  +  ROUNDING * ||x||_1 * max|w_j|
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.kernels import native_linear
+from mtpflow.backends.native import kernel, products
 
 # float32 accumulation over k terms errs by at most about k * 2^-24 of the sum of |terms|; 2^-12 covers a hidden
 # size of 4,096 with margin (the bound also absorbs the rounding of the bound's own arithmetic)
@@ -41,7 +41,7 @@ class CertifiedHead:
         weight = weight.detach()
         self.weight = weight if weight.is_contiguous() else weight.contiguous()
         self.key = (weight.data_ptr(), weight._version)
-        self.q, self.scale = native_linear.quantize_int8(self.weight)  # [vocab, hidden] int8, [vocab]
+        self.q, self.scale = products.quantize_int8(self.weight)  # [vocab, hidden] int8, [vocab]
         residual = self.weight - self.q.float() * self.scale[:, None]
         self.residual_norm = residual.norm(dim=1)  # [vocab] ||r_j||_2
         self.abs_max = self.weight.abs().amax(dim=1)  # [vocab] max |w_j|
@@ -56,7 +56,7 @@ class CertifiedHead:
         """[rows, vocab] float32 logits of ``x`` [rows, hidden]: exact for every token that could be its row's
         argmax, within the bound elsewhere."""
         x = x.reshape(-1, x.shape[-1]).contiguous()
-        approx = native_linear.linear_int8(x, self.q, self.scale)
+        approx = products.linear_int8(x, self.q, self.scale)
         l2 = x.norm(dim=1)  # [rows]
         l1 = x.abs().sum(dim=1)
         # one bound for every token of a row first (a cheap compare over the vocabulary): a token under the
@@ -80,4 +80,4 @@ def applies(head: torch.nn.Module, rows: int) -> bool:
     weight = getattr(head, "weight", None)
     return (rows <= MAX_ROWS and isinstance(head, torch.nn.Linear) and head.bias is None
             and weight is not None and weight.dtype == torch.float32 and weight.device.type == "cpu"
-            and native_linear.available())
+            and kernel.available())

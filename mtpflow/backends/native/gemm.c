@@ -1,0 +1,471 @@
+/* Small-batch float32 linear for CPU verify forwards: y[m][n] = sum_k x[m][k] * w[n][k] (+ b[n]).
+ *
+ * A verify forward multiplies 1 + K rows (K draft nodes, a handful) by every weight matrix of the model.
+ * Reading the weights from memory is the whole cost, so the kernel reads each weight row once for all
+ * input rows: blocks of 4 weight rows x up to 6 input rows keep 24 vector accumulators in registers while
+ * the 4 weight rows stream past, and the next block's weight rows are prefetched while this one computes,
+ * so memory and arithmetic overlap (mtpflow_small_gemm). As rows grow the arithmetic starts to show, and
+ * from PANEL_MIN_ROWS rows mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 64 output
+ * features x K (panel[k][0..63]), so each step of k loads 4 vectors of weights and broadcasts one input value
+ * per row into 4 x 6 accumulators with no horizontal sums, while one sequential stream per panel is prefetched
+ * 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
+ * runtime: torch has loaded libgomp.so.1 before this library is opened).
+ *
+ * The caller starts the panels at PANEL_MIN_ROWS rows (read by kernel.panel_min_rows): 1 on AVX-512
+ * builds, where the panels' sequential streams beat the row blocks at every row count; 3 on AVX2 builds, where
+ * 1-2 rows instead read one weight row at a time (one sequential stream per thread); the reasons are at the
+ * constants below (measured: docs/bench/code-figures.md#small_gemm-panel_min_rows).
+ *
+ * Portable C with GCC vector extensions: 16-float vectors where the compiler targets AVX-512, else 8-float
+ * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
+ * without AVX-512 compile to scalar code, many times slower; measured: docs/bench/code-figures.md#small_gemm-header).
+ * The pure-torch reference is F.linear; mtpflow/backends/native/products.py calls these kernels; library.py compiles and loads them.
+ * Summation order differs from MKL's (differences around 1e-6 relative).
+ *
+ * mtpflow_small_gemm_q8 is the row kernel over int8 weights with one float scale per output feature
+ * (y[m][n] = scale[n] * sum_k x[m][k] * q[n][k] (+ b[n])): a quarter of the bytes to read, each 16 (or 8)
+ * int8 weights widened to floats in registers; every row count takes it (there is no int8 panel kernel).
+ */
+#include "native.h"
+
+int mtpflow_vector_width(void) { return VW; }
+
+/* from how many rows callers that hold panels should call mtpflow_panel_gemm (kernel.panel_min_rows) */
+int mtpflow_panel_min_rows(void) { return PANEL_MIN_ROWS; }
+
+/* ---- int8 weights (mtpflow_small_gemm_q8): VW of them widened to floats per load ---------------------- */
+typedef signed char qvec_u __attribute__((vector_size(VW), aligned(1), may_alias));
+
+/* widen VW int8 weights to floats: GCC 12 scalarizes __builtin_convertvector from char vectors (one
+ * vcvtsi2ss per weight, slower than the float kernel; measured: docs/bench/code-figures.md#small_gemm-loadq),
+ * so x86 takes the sign-extend + convert instructions */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+static inline vec loadq(const signed char *p) {
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+#elif defined(__AVX2__)
+#include <immintrin.h>
+static inline vec loadq(const signed char *p) {
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#else
+static inline vec loadq(const signed char *p) { return __builtin_convertvector(*(const qvec_u *)p, vec); }
+#endif
+
+/* ---- row kernel: nb weight rows from n0 times mb input rows from m0 (compile-time nb, mb and q8 after
+ * inlining): float weights w, or (q8) int8 weights wq with one float scale per output feature */
+static inline __attribute__((always_inline)) void block(const float *x, const float *w, const signed char *wq,
+                                                        const float *scale, const float *b, float *y, int N, int K,
+                                                        int n0, int m0, const int nb, const int mb, const int q8) {
+    const int kv = K - K % VW;
+    vec acc[NB][MB_MAX];
+    const float *wr[NB], *xr[MB_MAX];
+    const signed char *qr[NB];
+    for (int i = 0; i < nb; i++) {
+        if (q8) qr[i] = wq + (size_t)(n0 + i) * K;
+        else wr[i] = w + (size_t)(n0 + i) * K;
+    }
+    for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = (vec){0};
+    for (int k = 0; k < kv; k += VW) {
+        vec wv[NB];
+        for (int i = 0; i < nb; i++) {
+            if (q8) {  /* the next block's row, same column: one cache line per 64 int8 weights */
+                if (k % 64 == 0) __builtin_prefetch(qr[i] + (size_t)NB * K + k);
+                wv[i] = loadq(qr[i] + k);
+            } else {
+                __builtin_prefetch(wr[i] + (size_t)NB * K + k);
+                wv[i] = loadv(wr[i] + k);
+            }
+        }
+        for (int j = 0; j < mb; j++) {
+            vec xv = loadv(xr[j] + k);
+            for (int i = 0; i < nb; i++) acc[i][j] += wv[i] * xv;
+        }
+    }
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            float s = sumv(acc[i][j]);
+            for (int k = kv; k < K; k++) s += (q8 ? (float)qr[i][k] : wr[i][k]) * xr[j][k];
+            if (q8) s *= scale[n0 + i];
+            y[(size_t)(m0 + j) * N + n0 + i] = b ? s + b[n0 + i] : s;
+        }
+}
+
+#define BLOCK(nb, mb, q8) block(x, w, wq, scale, b, y, N, K, n0, m0, nb, mb, q8)
+#if MB_MAX == 6
+#define ROW_CASES(nb, q8)                                               \
+    case 6: BLOCK(nb, 6, q8); break;                                    \
+    case 5: BLOCK(nb, 5, q8); break;                                    \
+    case 4: BLOCK(nb, 4, q8); break;                                    \
+    case 3: BLOCK(nb, 3, q8); break;
+#else
+#define ROW_CASES(nb, q8)
+#endif
+#define ROWS(nb, q8)                                                    \
+    for (int m0 = 0; m0 < M; m0 += MB_MAX) {                            \
+        switch (M - m0 < MB_MAX ? M - m0 : MB_MAX) {                    \
+            ROW_CASES(nb, q8)                                           \
+            case 2: BLOCK(nb, 2, q8); break;                            \
+            default: BLOCK(nb, 1, q8); break;                           \
+        }                                                               \
+    }
+#define WEIGHT_BLOCKS(q8)                                               \
+    for (int n0 = 0; n0 < N; n0 += NB) {                                \
+        switch (N - n0 < NB ? N - n0 : NB) {                            \
+            case 4: ROWS(4, q8) break;                                  \
+            case 3: ROWS(3, q8) break;                                  \
+            case 2: ROWS(2, q8) break;                                  \
+            default: ROWS(1, q8) break;                                 \
+        }                                                               \
+    }
+
+#if VW == 8
+/* ---- one weight row at a time for 1 or 2 (ONE_ROW_MAX) input rows (AVX2 builds): the weight is read as one
+ * sequential stream per thread, which the hardware prefetchers follow better than the 4 strided rows of a
+ * block: faster than the 4 x 2 blocks for one and two rows, the LM head included; slower for three rows (more
+ * streams of input rows than the loop hides), and from 3 rows the panel kernel is faster still (PANEL_MIN_ROWS;
+ * measured: docs/bench/code-figures.md#small_gemm-one_row_max). AVX-512 builds take the panels from one row
+ * (PANEL_MIN_ROWS above). */
+#define ONE_ROW_MAX 2
+#if defined(__FMA__) && defined(__AVX2__)  /* immintrin.h is included above for AVX2 */
+static inline vec fmadd(vec a, vec b, vec c) { return (vec)_mm256_fmadd_ps((__m256)b, (__m256)c, (__m256)a); }
+#else
+static inline vec fmadd(vec a, vec b, vec c) { return a + b * c; }
+#endif
+/* two accumulators per input row (even and odd vectors of k): with one chain of fused multiply-adds per row each
+ * waits on the previous one's latency every 8 floats, and a plain verify step was slower that way (measured:
+ * docs/bench/code-figures.md#small_gemm-one_row-two-chains) */
+static inline __attribute__((always_inline)) void one_row(const float *x, const float *w, const float *b, float *y,
+                                                          int N, int K, int n, const int mb) {
+    const int k2 = K - K % (2 * VW), kv = K - K % VW;
+    const float *wr = w + (size_t)n * K;
+    vec even[ONE_ROW_MAX], odd[ONE_ROW_MAX];
+    for (int j = 0; j < mb; j++) even[j] = odd[j] = (vec){0};
+    for (int k = 0; k < k2; k += 2 * VW) {
+        const vec w0 = loadv(wr + k), w1 = loadv(wr + k + VW);
+        for (int j = 0; j < mb; j++) {
+            even[j] = fmadd(even[j], w0, loadv(x + (size_t)j * K + k));
+            odd[j] = fmadd(odd[j], w1, loadv(x + (size_t)j * K + k + VW));
+        }
+    }
+    if (kv > k2)
+        for (int j = 0; j < mb; j++) even[j] = fmadd(even[j], loadv(wr + k2), loadv(x + (size_t)j * K + k2));
+    for (int j = 0; j < mb; j++) {
+        float s = sumv(even[j] + odd[j]);
+        for (int k = kv; k < K; k++) s += wr[k] * x[(size_t)j * K + k];
+        y[(size_t)j * N + n] = b ? s + b[n] : s;
+    }
+}
+#else
+#define ONE_ROW_MAX 0
+#endif
+
+/* x: M x K, w: N x K, b: N or NULL, y: M x N; all row-major and contiguous */
+HIDDEN void mtpflow_small_gemm(const float *x, const float *w, const float *b, float *y, int M, int N, int K,
+                        int threads) {
+    const signed char *wq = NULL;
+    const float *scale = NULL;
+#if ONE_ROW_MAX
+    if (M <= ONE_ROW_MAX) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+        for (int n = 0; n < N; n++) {
+            switch (M) {
+                case 2: one_row(x, w, b, y, N, K, n, 2); break;
+                default: one_row(x, w, b, y, N, K, n, 1); break;
+            }
+        }
+        return;
+    }
+#endif
+#pragma omp parallel for schedule(static) num_threads(threads)
+    WEIGHT_BLOCKS(0)
+}
+
+/* x: M x K float, wq: N x K int8, scale: N, b: N or NULL, y: M x N */
+HIDDEN void mtpflow_small_gemm_q8(const float *x, const signed char *wq, const float *scale, const float *b, float *y,
+                           int M, int N, int K, int threads) {
+    const float *w = NULL;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    WEIGHT_BLOCKS(1)
+}
+
+/* ---- panel layout: panels[p][k][j] = w[p * PANEL + j][k] (zero past N), built by products.pack_panels */
+#define PANEL 64
+#define GROUP (NB * VW)            /* columns of a panel one pass accumulates: 64 (AVX-512) or 32 */
+#define PANEL_PREFETCH 1024        /* floats ahead in the panel's stream */
+
+static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel, const float *b,
+                                                              float *y, int N, int K, int n0, int m0, const int mb) {
+    const float *xr[PANEL_MB];
+    for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
+    for (int g = 0; g < PANEL; g += GROUP) {
+        vec acc[PANEL_MB][NB];
+        for (int j = 0; j < mb; j++)
+            for (int v = 0; v < NB; v++) acc[j][v] = (vec){0};
+        for (int k = 0; k < K; k++) {
+            const float *pk = panel + (size_t)k * PANEL;
+            if (g == 0)
+                for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(pk + PANEL_PREFETCH + c);
+            vec pv[NB];
+            for (int v = 0; v < NB; v++) pv[v] = loadv(pk + g + VW * v);
+            for (int j = 0; j < mb; j++) {
+                const float xs = xr[j][k];
+                for (int v = 0; v < NB; v++) acc[j][v] += pv[v] * xs;
+            }
+        }
+        const int nv = N - n0 - g < GROUP ? N - n0 - g : GROUP;
+        for (int j = 0; j < mb && nv > 0; j++) {
+            float out[GROUP];
+            for (int v = 0; v < NB; v++) storev(out + VW * v, acc[j][v]);
+            float *yr = y + (size_t)(m0 + j) * N + n0 + g;
+            for (int i = 0; i < nv; i++) yr[i] = b ? out[i] + b[n0 + g + i] : out[i];
+        }
+    }
+}
+
+#if PANEL_MB == 6
+#define PANEL_CASES                                                             \
+    case 6: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 6); break;         \
+    case 5: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 5); break;         \
+    case 4: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 4); break;         \
+    case 3: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 3); break;
+#else
+#define PANEL_CASES                                                             \
+    case 3: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 3); break;
+#endif
+
+/* x: M x K, panels: ceil(N / 64) x K x 64, b: N or NULL, y: M x N */
+/* The threads split the (panel, row block) pairs in panel order, each thread a contiguous run: where the panels
+ * split evenly between the threads this is a split of the panels; where they do not (576 outputs: 9 panels for 2
+ * threads) the panel at the seam is shared, so no thread idles for a panel's worth of rows (the second read of
+ * that panel mostly from the shared L3). Each output comes from the same block either way: the same numbers. */
+HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
+                        int threads) {
+    const int np = (N + PANEL - 1) / PANEL, nb = (M + PANEL_MB - 1) / PANEL_MB;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int u = 0; u < np * nb; u++) {
+        const int p = u / nb, m0 = (u % nb) * PANEL_MB;
+        const float *panel = panels + (size_t)p * K * PANEL;
+        switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
+            PANEL_CASES
+            case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
+            default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
+        }
+    }
+}
+
+/* From here to the end of the file no multiply and add is fused into one rounding (GCC's optimize pragma, clang's
+ * fp contract): the int8 model's products (below) round each float operation as its torch reference
+ * (mtpflow/backends/native/int8_reference.py) does. The float products above keep their fused multiply-adds. */
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
+
+/* ==== The int8 model (model.quantize=int8): int8 weights, int8 activations, integer dot products ===========
+ *
+ * Its numerics are defined once, by the torch reference mtpflow/backends/native/int8_reference.py; this is the fast
+ * implementation of the same arithmetic.
+ * - Weights: int8 q[n][k] with one float scale per output feature (symmetric, |q| <= 127), each row padded with
+ *   zeros to kp = a multiple of 64 columns (Q8_STEP), and wsum[n] = sum_k q[n][k]; laid out in blocks of Q8_NB rows
+ *   (zero rows past N), each block [kp / 64][Q8_NB][64], so that the threads read the weights as sequential
+ *   streams: at batch 1 that read is the whole cost (four rows at a time in row-major order read at about a
+ *   third of the packed layout's rate; measured: docs/bench/int8_dec05.md#kernel-figures).
+ * - Activations: each row of a product's input quantized on its own: s = max|x| / 127 (1 for a row of zeros),
+ *   xq = round-half-even(x / s) clamped to +-127. A row's result never depends on the other rows in the call,
+ *   so a batched verify gives exactly what its rows give one at a time.
+ * - The dot product is exact in int32 (|x q| <= 127 * 127 per term); y = ((float)dot * s_row) * scale[n].
+ * - Between the products: RMSNorm with the sum of squares in double, rotary, attention whose scores, softmax
+ *   sum and weighted values are summed in double and rounded once to float, exponentials by vexp (both in the
+ *   attention and in SiLU), each other operation one float rounding in the reference's order.
+ * The dot products: AVX-512 VNNI (vpdpbusd: unsigned times signed bytes, so the activations go in offset by 128
+ * and 128 * wsum[n] comes off the sum), else AVX2 (the sign trick: |x| times sign(x) * q, pairs summed in int16
+ * without overflow since 2 * 127 * 127 < 32768), else plain C. */
+#include <math.h>
+#include <stdlib.h>
+/* a row x[K] as int8 (offset by Q8_OFFSET, zero past K up to kp); returns its scale */
+float mtpflow_quantize_row(const float *x, int K, int kp, unsigned char *xq) {
+    float amax = 0.0f;
+    for (int i = 0; i < K; i++) {
+        const float a = fabsf(x[i]);
+        if (a > amax) amax = a;
+    }
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int i = 0; i < K; i++) {
+        float v = nearbyintf(x[i] / s);  /* the default rounding mode: half to even, as torch.round */
+        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
+        xq[i] = (unsigned char)((int)v + Q8_OFFSET);
+    }
+    for (int i = K; i < kp; i++) xq[i] = (unsigned char)Q8_OFFSET;
+    return s;
+}
+
+/* exact int32 dot products of the Q8_NB weight rows of one packed block (w: [kp / 64][Q8_NB][64]: the rows' 64
+ * columns of each step side by side, so a block is read as one sequential stream) with mb quantized rows */
+static inline __attribute__((always_inline)) void q8_block(const unsigned char *xq, const signed char *w, int kp,
+                                                           const int mb, int32_t out[Q8_NB][Q8_MB]) {
+#if defined(Q8_VNNI)
+    __m512i acc[Q8_NB][Q8_MB];
+    for (int i = 0; i < Q8_NB; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_si512();
+    for (int k = 0; k < kp; k += Q8_STEP) {
+        const signed char *step = w + (size_t)k * Q8_NB;
+        __m512i wv[Q8_NB];
+        for (int i = 0; i < Q8_NB; i++) wv[i] = _mm512_loadu_si512((const void *)(step + i * Q8_STEP));
+        for (int j = 0; j < mb; j++) {
+            const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)j * kp + k));
+            for (int i = 0; i < Q8_NB; i++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[i]);
+        }
+    }
+    for (int i = 0; i < Q8_NB; i++)
+        for (int j = 0; j < mb; j++) out[i][j] = _mm512_reduce_add_epi32(acc[i][j]);
+#elif defined(Q8_AVX2)
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[Q8_NB][Q8_MB];
+    for (int i = 0; i < Q8_NB; i++)
+        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_si256();
+    for (int k = 0; k < kp; k += 32) {  /* half a step: columns k % 64 .. + 31 of each row */
+        const signed char *step = w + (size_t)(k - k % Q8_STEP) * Q8_NB + k % Q8_STEP;
+        __m256i wv[Q8_NB];
+        for (int i = 0; i < Q8_NB; i++) wv[i] = _mm256_loadu_si256((const __m256i *)(step + i * Q8_STEP));
+        for (int j = 0; j < mb; j++) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * kp + k));
+            const __m256i ax = _mm256_sign_epi8(xv, xv);
+            for (int i = 0; i < Q8_NB; i++) {
+                const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xv));
+                acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    }
+    for (int i = 0; i < Q8_NB; i++)
+        for (int j = 0; j < mb; j++) {
+            const __m256i v = acc[i][j];
+            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+            out[i][j] = _mm_cvtsi128_si32(s);
+        }
+#else
+    for (int i = 0; i < Q8_NB; i++)
+        for (int j = 0; j < mb; j++) {
+            const signed char *xr = (const signed char *)xq + (size_t)j * kp;
+            int32_t s = 0;
+            for (int k = 0; k < kp; k++) s += (int32_t)xr[k] * w[(size_t)(k - k % Q8_STEP) * Q8_NB + i * Q8_STEP + k % Q8_STEP];
+            out[i][j] = s;
+        }
+#endif
+}
+
+/* y[m][n] = ((float)dot(xq[m], q[n]) * sx[m]) * scale[n] for rows m of xq (quantized, kp columns each) and the
+ * N outputs of q, packed in blocks of Q8_NB rows (zero rows past N; products.pack_q8) */
+/* thread t of nt's share of the product: y[m][n] = ((float)dot(xq[m], q[n]) * sx[m]) * scale[n] for rows m of xq
+ * (quantized, kp columns each) and the N outputs of q, packed in blocks of Q8_NB rows (zero rows past N;
+ * products.pack_q8). Each thread takes one contiguous run of blocks: one sequential stream. */
+void mtpflow_q8_part(int t, int nt, const unsigned char *xq, const float *sx, int M, const signed char *q,
+                    const float *scale, const int32_t *wsum, int N, int kp, float *y) {
+    const int blocks = (N + Q8_NB - 1) / Q8_NB;
+    const int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
+    for (int b = b0; b < b1; b++) {
+        const int n0 = b * Q8_NB, nb = N - n0 < Q8_NB ? N - n0 : Q8_NB;
+        const signed char *w = q + (size_t)n0 * kp;
+        for (int m0 = 0; m0 < M; m0 += Q8_MB) {
+            const int mb = M - m0 < Q8_MB ? M - m0 : Q8_MB;
+            int32_t out[Q8_NB][Q8_MB];
+            const unsigned char *xr = xq + (size_t)m0 * kp;
+            switch (mb) {
+#if Q8_MB == 6
+                case 6: q8_block(xr, w, kp, 6, out); break;
+                case 5: q8_block(xr, w, kp, 5, out); break;
+                case 4: q8_block(xr, w, kp, 4, out); break;
+                case 3: q8_block(xr, w, kp, 3, out); break;
+#endif
+                case 2: q8_block(xr, w, kp, 2, out); break;
+                default: q8_block(xr, w, kp, 1, out); break;
+            }
+            for (int i = 0; i < nb; i++)
+                for (int j = 0; j < mb; j++) {
+                    const int32_t dot = out[i][j] - Q8_OFFSET * wsum[n0 + i];
+                    y[(size_t)(m0 + j) * N + n0 + i] = ((float)dot * sx[m0 + j]) * scale[n0 + i];
+                }
+        }
+    }
+}
+
+/* x: M x K float, q: the packed int8 weight (N rows, kp columns), scale: N, wsum: N, y: M x N. 0, or -1 when out of
+ * memory. */
+HIDDEN int mtpflow_gemm_w8a8(const float *x, const signed char *q, const float *scale, const int32_t *wsum, float *y, int M,
+                      int N, int K, int kp, int threads) {
+    unsigned char *xq = malloc((size_t)M * kp + (size_t)M * sizeof(float));
+    if (!xq) return -1;
+    float *sx = (float *)(xq + (size_t)M * kp);
+#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
+    for (int m = 0; m < M; m++) sx[m] = mtpflow_quantize_row(x + (size_t)m * K, K, kp, xq + (size_t)m * kp);
+#pragma omp parallel num_threads(threads)
+    mtpflow_q8_part(omp_get_thread_num(), omp_get_num_threads(), xq, sx, M, q, scale, wsum, N, kp, y);
+    free(xq);
+    return 0;
+}
+
+/* 1 where the dot products run on AVX-512 VNNI, 2 on AVX2, 0 in plain C (the run's describe line names it) */
+int mtpflow_q8_isa(void) {
+#if defined(Q8_VNNI)
+    return 1;
+#elif defined(Q8_AVX2)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+/* one query head's attention, the int8 model's way: scores, softmax sum and weighted values summed in double,
+ * each rounded once to float (so the order of the sums is immaterial); keys and values [n][d], the first n0 all
+ * visible, the rest where own[t - n0]; s: scratch for n scores */
+
+/* ---- the one entry point of the products: mtpflow_linear(struct mtpflow_linear_args) -----------------------
+ * y[M][N] = x[M][K] times the weight, by kind:
+ * - MTPFLOW_LINEAR_F32: float32 weight w [N][K] (+ bias b [N] or NULL), the row kernel;
+ * - MTPFLOW_LINEAR_PANELS: the same product over its panel copy (panels, products.pack_panels);
+ * - MTPFLOW_LINEAR_Q8: int8 weight q [N][K] with float scale [N] (+ b), float activations (the self-draft's copy);
+ * - MTPFLOW_LINEAR_W8A8: the int8 model's product: packed int8 q (products.pack_q8, kp columns), scale [N], row
+ *   sums wsum [N], each row of x quantized on its own.
+ * Versioned as the decoder stacks' structs are: a caller sets version to MTPFLOW_LINEAR_ABI and size to the struct's
+ * size as it built it; products.py mirrors it once (LinearArgs). Returns 0, -1 out of memory (W8A8's scratch),
+ * MTPFLOW_ROWS_BAD_ABI for another struct, -3 for an unknown kind. */
+#define MTPFLOW_LINEAR_ABI 1
+enum { MTPFLOW_LINEAR_F32 = 0, MTPFLOW_LINEAR_PANELS = 1, MTPFLOW_LINEAR_Q8 = 2, MTPFLOW_LINEAR_W8A8 = 3 };
+
+struct mtpflow_linear_args {
+    int version;  /* MTPFLOW_LINEAR_ABI */
+    int size;     /* sizeof(struct mtpflow_linear_args) as the caller built it */
+    int kind;
+    int M, N, K, kp, threads;
+    const float *x;
+    const float *w, *panels, *b;
+    const signed char *q;
+    const float *scale;
+    const int32_t *wsum;
+    float *y;
+};
+
+int mtpflow_linear_abi(void) { return MTPFLOW_LINEAR_ABI; }
+
+int mtpflow_linear_args_size(void) { return (int)sizeof(struct mtpflow_linear_args); }
+
+int mtpflow_linear(const struct mtpflow_linear_args *a) {
+    if (a->version != MTPFLOW_LINEAR_ABI || a->size != (int)sizeof(struct mtpflow_linear_args)) return MTPFLOW_ROWS_BAD_ABI;
+    switch (a->kind) {
+        case MTPFLOW_LINEAR_F32: mtpflow_small_gemm(a->x, a->w, a->b, a->y, a->M, a->N, a->K, a->threads); return 0;
+        case MTPFLOW_LINEAR_PANELS: mtpflow_panel_gemm(a->x, a->panels, a->b, a->y, a->M, a->N, a->K, a->threads); return 0;
+        case MTPFLOW_LINEAR_Q8:
+            mtpflow_small_gemm_q8(a->x, a->q, a->scale, a->b, a->y, a->M, a->N, a->K, a->threads);
+            return 0;
+        case MTPFLOW_LINEAR_W8A8:
+            return mtpflow_gemm_w8a8(a->x, a->q, a->scale, a->wsum, a->y, a->M, a->N, a->K, a->kp, a->threads);
+        default: return -3;
+    }
+}
