@@ -121,7 +121,9 @@ def decode_step_rows(settings, units, n_new: int, bandwidth: float) -> list[dict
                            * (cfg.hidden_size // cfg.num_attention_heads) * 4 * context)
         finally:
             engine.close()
-        step = steps_seconds / max(steps, 1)
+        # the decode phase is the difference of two timings: on a tiny model and a busy machine it can come out
+        # zero or less, which is no measurement (NaN), not a division by zero
+        step = steps_seconds / steps if steps and steps_seconds > 0 else float("nan")
         rows.append({"setting": label, "decode_steps": steps, "step_ms": round(1000 * step, 3),
                      "decode_tokens_per_s": round(1 / step, 2), "weight_mb_per_step": round(weight_bytes / 1e6, 1),
                      "mean_context": round(context, 1), "kv_mb_per_step": round(kv_bytes / 1e6, 1),

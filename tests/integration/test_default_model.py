@@ -64,7 +64,7 @@ def test_the_int8_model_is_lossless_against_its_reference(default_loaded):
     assert torch.equal(target_logits, logits)
     for strategy in ("baseline", "mtp_heads", "pld"):
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=32", "trace=off", "model.quantize=int8")
-        assert pipe.engine.backend.describe().startswith("native_cpu int8 w8a8")
+        assert pipe.engine.backend.describe().startswith("native_cpu cpu int8 w8a8")
         accepted = 0
         for ids, want in zip(prompts, wants):
             result = pipe(prompt_ids=ids)
