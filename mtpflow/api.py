@@ -16,7 +16,7 @@ from mtpflow.config import compose, effective_temperature, read_prompt, stop_str
 from mtpflow.engine import Engine
 from mtpflow.errors import UserError
 from mtpflow.model import encode_prompt, load_configured
-from mtpflow.plugins import build_stages
+from mtpflow.plugins.manager import build_stages
 from mtpflow.request import Request
 from mtpflow.types import DecodeResult, StepRecord
 

@@ -176,7 +176,7 @@ class Chat:
         """Swap in a pipeline composed from ``overrides``, on the loaded model; the old one stays on error."""
         from mtpflow.api import Pipeline
         from mtpflow.config import compose
-        from mtpflow.runplugins import default_run_plugins
+        from mtpflow.plugins.manager import default_run_plugins
 
         cfg = compose(overrides)
         self.pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg), loaded=self.pipe.loaded)
@@ -281,7 +281,7 @@ def open_history() -> Callable[[], None]:
 def run_chat(cfg, overrides: list[str]) -> int:
     """The chat for ``python -m mtpflow`` with no prompt on a terminal (``cfg`` composed from ``overrides``)."""
     from mtpflow.api import Pipeline
-    from mtpflow.runplugins import default_run_plugins
+    from mtpflow.plugins.manager import default_run_plugins
 
     print(f"mtpflow: loading {cfg.model.get('name') or 'the default model'} ...", file=sys.stderr, flush=True)
     pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg))

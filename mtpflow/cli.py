@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             prompt = read_prompt(cfg)  # fail on an empty or unreadable prompt before the model loads
         from mtpflow.api import Pipeline
-        from mtpflow.runplugins import default_run_plugins
+        from mtpflow.plugins.manager import default_run_plugins
 
         pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
         if cfg.output == "json":

@@ -19,7 +19,7 @@ _compose_lock = threading.Lock()  # Hydra's global state is not thread-safe
 
 def strategy_dirs() -> list[Path]:
     """Folders holding strategy YAMLs: the built-in one, then those contributed by plugins."""
-    from mtpflow.plugins import plugin_strategy_dirs
+    from mtpflow.plugins.manager import plugin_strategy_dirs
 
     return [conf_dir() / "strategy", *plugin_strategy_dirs()]
 
@@ -54,7 +54,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         if o.startswith("strategy=") and "/" not in o:
             name = o.split("=", 1)[1]
             if name not in available_strategies():
-                from mtpflow.thirdparty import trouble_note
+                from mtpflow.plugins.manager import trouble_note
 
                 raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}"
                                 f"{trouble_note()}")

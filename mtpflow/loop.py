@@ -18,7 +18,7 @@ import torch
 
 from mtpflow.cost_model import DecayedAcceptance
 from mtpflow.errors import UserError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.sampling import choose
 from mtpflow.target import Target
 from mtpflow.types import (

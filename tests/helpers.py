@@ -7,7 +7,7 @@ import random
 
 import torch
 
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.types import Draft
 
 TINY_CORPUS = [

@@ -22,7 +22,7 @@ from mtpflow.config import available_strategies, compose
 from mtpflow.engine import Engine
 from mtpflow.errors import ConfigError, UserError, check_int
 from mtpflow.model import load_configured
-from mtpflow.runplugins import default_run_plugins
+from mtpflow.plugins.manager import default_run_plugins
 
 from mtpflow.playground.views import IncrementalDetokenizer, SideView, finish_tokens, step_tokens, step_view
 

@@ -1,7 +1,7 @@
 """The history tab: past runs from the SQLite trace store (``mtpflow.traces.TraceStore``), reopened with the
 same colored token view as the live comparison, and any two compared side by side.
 
-Runs are recorded by the trace run plugin (``mtpflow.runplugins.default_run_plugins``), so every comparison
+Runs are recorded by the trace run plugin (``mtpflow.plugins.manager.default_run_plugins``), so every comparison
 made on the page (and every CLI or benchmark run on the same database) shows up here.
 """
 from __future__ import annotations

@@ -17,7 +17,7 @@ def serving_overrides(overrides: list[str]) -> list[str]:
 def serving_run_plugins(cfg) -> tuple:
     """``default_run_plugins`` with the trace recorder rebuilt from the whole ``trace`` node (sampling and
     retention) on the store it opened."""
-    from mtpflow.runplugins import default_run_plugins
+    from mtpflow.plugins.manager import default_run_plugins
     from mtpflow.traces.recorder import recorder_from_config
 
     out = []

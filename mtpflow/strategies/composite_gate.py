@@ -9,7 +9,7 @@ import functools
 import torch
 
 from mtpflow.errors import ConfigError, UserError, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.kernels import children_lists
 from mtpflow.strategies.ngram_stats import BigramTable, default_table_path, tokenizer_fingerprint
 from mtpflow.types import BONUS, RECOVERED, Decision, DecodeState, Draft, Verification

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from mtpflow.errors import ConfigError, UserError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.k_selectors import AdaptiveK, check_k
 from mtpflow.types import DecodeState, StepRecord
 

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from mtpflow.errors import ConfigError, UserError, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.sampling import sample, target_probs
 from mtpflow.cost_model import (
     CostCurve, DecayedAcceptance, ProbeSchedule, check_costs, expected_tokens, load_verify_costs,

@@ -17,7 +17,7 @@ from mtpflow.cost_model import (  # noqa: F401 - the cost model's names, also re
     expected_tokens, load_verify_costs, time_verify_forwards,
 )
 from mtpflow.errors import ConfigError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, StepRecord
 

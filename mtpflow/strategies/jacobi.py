@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.pld import find_ngram_continuation
 from mtpflow.types import DecodeState, Draft, StepRecord
 

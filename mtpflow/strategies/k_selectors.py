@@ -3,7 +3,7 @@ shrinks after a rejection, within bounds."""
 from __future__ import annotations
 
 from mtpflow.errors import ConfigError, check_int
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.loop import MAX_K
 from mtpflow.types import DecodeState, StepRecord
 

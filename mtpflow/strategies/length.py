@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from mtpflow.errors import ConfigError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mtpflow.errors import ConfigError, UserError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import graft_tree
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, KINDS, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, head_rows, load_heads,

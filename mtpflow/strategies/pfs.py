@@ -10,7 +10,7 @@ import math
 import torch
 
 from mtpflow.errors import ConfigError, check_int, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.kernels import pfs_prune
 from mtpflow.cost_model import CostCurve, check_costs, load_verify_costs
 from mtpflow.types import DecodeState, Draft

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from mtpflow.errors import ConfigError, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.kernels import ngram_continuation
 from mtpflow.cost_model import AUTO, CostCurve, DecayedAcceptance, check_costs, load_verify_costs
 from mtpflow.strategies.k_selectors import check_k

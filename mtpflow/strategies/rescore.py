@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from mtpflow.errors import ConfigError, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.sampling import sample, target_probs
 from mtpflow.types import RECOVERED, Decision, DecodeState, Draft, StepRecord, Verification
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from mtpflow.cost_model import DecayedAcceptance
 from mtpflow.errors import ConfigError, check_int, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import calibrated_tree, graft_tree
 from mtpflow.suffix_cache import SuffixCache, TokenIndex, frequency_tree
 from mtpflow.types import DecodeResult, DecodeState, Draft, StepRecord

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from mtpflow.errors import ConfigError, check_int, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import calibrated_tree
 from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from mtpflow.errors import ConfigError, UserError, check_int
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.types import DecodeState
 
 

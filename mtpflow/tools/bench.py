@@ -115,7 +115,7 @@ def decode_runs(opts, suite: list[dict] | None = None):
 
     from mtpflow.api import Pipeline
     from mtpflow.config import compose
-    from mtpflow.runplugins import default_run_plugins
+    from mtpflow.plugins.manager import default_run_plugins
     from mtpflow.tools import specbench
 
     suite = load_prompt_suite(opts.prompts, opts.classes, int(opts.limit)) if suite is None else suite

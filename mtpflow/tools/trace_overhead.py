@@ -47,7 +47,7 @@ def measure(strategies, limit: int, max_new_tokens: int, db: str, repeats: int =
     from mtpflow.api import Pipeline
     from mtpflow.tools.specbench import load_prompt_suite
     from mtpflow.config import compose
-    from mtpflow.runplugins import default_run_plugins
+    from mtpflow.plugins.manager import default_run_plugins
 
     suite = load_prompt_suite(None, None, limit)
     rows = []

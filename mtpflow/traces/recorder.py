@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mtpflow.errors import check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.traces.store import RUNNING, TraceStore
 from mtpflow.types import ACCEPTED, BONUS, PLAIN, PRUNED, REJECTED, DecodeResult, StepRecord
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpflow import thirdparty
+from mtpflow.plugins import manager
 from mtpflow.config import available_strategies, compose
 
 if sys.version_info >= (3, 11):
@@ -76,12 +76,12 @@ def project(tmp_path, monkeypatch):
     names = fake_install(root, site)
     monkeypatch.syspath_prepend(str(root / "src"))
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv(thirdparty.SELECT_ENV, ",".join(names))
+    monkeypatch.setenv(manager.SELECT_ENV, ",".join(names))
     monkeypatch.chdir(root)
     before = set(sys.modules)
-    thirdparty.clear_cache()
+    manager.clear_cache()
     yield root
-    thirdparty.clear_cache()
+    manager.clear_cache()
     for mod in set(sys.modules) - before:
         if mod.split(".")[0] == "mtpflow_bigram":
             del sys.modules[mod]
@@ -103,7 +103,7 @@ def test_the_pages_pyproject_is_valid_and_ships_the_strategy(project):
 
 
 def test_the_plugin_loads_and_its_strategy_resolves(project):
-    (plugin,) = [p for p in thirdparty.plugins() if p.name == "bigram"]
+    (plugin,) = [p for p in manager.third_party_plugins() if p.name == "bigram"]
     assert plugin.error is None, plugin.error
     assert plugin.strategies == ("bigram",)
     assert "mtpflow_strategy_dirs" in plugin.hooks

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mtpflow.errors import ConfigError, UserError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.kernels import requested_backend, resolve_backend, set_default_backend, use_backend
 from mtpflow.kernels.dispatch import interpreter_enabled
 from mtpflow.strategies.pld import find_ngram_continuation

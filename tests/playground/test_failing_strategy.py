@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 
 from mtpflow.playground.backend import PlaygroundBackend
 

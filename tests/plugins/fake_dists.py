@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpflow import thirdparty
+from mtpflow.plugins import manager
 
 GOOD_STRATEGY = """\
 name: {name}
@@ -27,7 +27,7 @@ plugins: {plugins}
 
 STRATEGY_DIRS_HOOK = """\
 from pathlib import Path
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 
 @hookimpl
 def mtpflow_strategy_dirs():
@@ -57,15 +57,16 @@ def fake_site(tmp_path, monkeypatch):
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv(thirdparty.SELECT_ENV, raising=False)
+    monkeypatch.delenv(manager.SELECT_ENV, raising=False)
     before = set(sys.modules)
-    thirdparty.clear_cache()
+    manager.clear_cache()
     yield site
-    thirdparty.clear_cache()
+    manager.clear_cache()
     for mod in set(sys.modules) - before:
         if mod.startswith("fakeplug"):
             del sys.modules[mod]
 
 
 def stage_module(body: str) -> str:
+    # the stable import path that plugins written before mtpflow.plugins use (STRATEGY_DIRS_HOOK uses the new one)
     return "import torch\nfrom mtpflow.hookspecs import hookimpl\nfrom mtpflow.types import Draft\n\n" + body

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import hf_greedy, make_pipeline
-from mtpflow import thirdparty
+from mtpflow.plugins import manager
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mtpflow-plugin-example"
 PROMPT = "List three uses of a paper clip, one per line."
@@ -26,14 +26,14 @@ def example_loaded(monkeypatch):
     except importlib.metadata.PackageNotFoundError:
         pytest.fail("mtpflow-plugin-example is not installed: run ./install.sh "
                     "(pip install --no-build-isolation -e examples/mtpflow-plugin-example)")
-    monkeypatch.setenv(thirdparty.SELECT_ENV, "example")
-    thirdparty.clear_cache()
+    monkeypatch.setenv(manager.SELECT_ENV, "example")
+    manager.clear_cache()
     yield
-    thirdparty.clear_cache()
+    manager.clear_cache()
 
 
 def run(*args: str, selection: str = "example", timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, thirdparty.SELECT_ENV: selection}
+    env = {**os.environ, manager.SELECT_ENV: selection}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -56,7 +56,7 @@ def test_listing_follows_a_strategy_built_on_another(tmp_path):
     stage classes the composed strategy has (its own where it overrides a stage); a defaults entry that is not a
     plain name is skipped."""
     from mtpflow.conf import conf_dir
-    from mtpflow.plugin_listing import strategy_targets
+    from mtpflow.plugins.__main__ import strategy_targets
 
     (tmp_path / "base.yaml").write_text("propose: {_target_: a.Proposer}\ngate: {_target_: a.Gate}\n")
     (tmp_path / "child.yaml").write_text("defaults:\n  - base\n  - {x: y}\n  - _self_\n"
@@ -68,9 +68,9 @@ def test_listing_follows_a_strategy_built_on_another(tmp_path):
 
 
 def test_listing_says_when_the_variable_keeps_it_out(monkeypatch):
-    from mtpflow.plugin_listing import describe, format_listing
+    from mtpflow.plugins.__main__ import describe, format_listing
 
-    monkeypatch.setenv(thirdparty.SELECT_ENV, "")
+    monkeypatch.setenv(manager.SELECT_ENV, "")
     text = format_listing(describe())
     assert "MTPFLOW_LOAD_PLUGINS empty: none load" in text
     assert "example = mtpflow_plugin_example  [mtpflow-plugin-example 0.1.0]  not loaded" in text

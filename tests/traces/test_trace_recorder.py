@@ -8,8 +8,8 @@ import torch
 
 from helpers import make_pipeline
 from mtpflow.config import compose
-from mtpflow.hookspecs import hookimpl
-from mtpflow.runplugins import default_run_plugins
+from mtpflow.plugins import hookimpl
+from mtpflow.plugins.manager import default_run_plugins
 from mtpflow.traces import TraceStore
 from mtpflow.types import RECOVERED, Decision
 

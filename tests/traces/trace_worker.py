@@ -17,8 +17,8 @@ import torch  # noqa: E402
 from helpers import make_pipeline, tiny_loaded  # noqa: E402
 
 from mtpflow.config import compose  # noqa: E402
-from mtpflow.hookspecs import hookimpl  # noqa: E402
-from mtpflow.runplugins import default_run_plugins  # noqa: E402
+from mtpflow.plugins import hookimpl  # noqa: E402
+from mtpflow.plugins.manager import default_run_plugins  # noqa: E402
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8]
 

@@ -7,7 +7,7 @@ import torch
 
 from helpers import hf_greedy, make_pipeline
 from mtpflow.errors import ConfigError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.dedup import NgramDedup, repeated_run_end
 from mtpflow.types import ACCEPTED, DEDUPED, Decision, DecodeState, Draft, SamplingParams
 

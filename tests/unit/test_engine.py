@@ -19,7 +19,7 @@ from mtpflow.config import compose
 from mtpflow.cost_model import BatchCostModel
 from mtpflow.engine import Engine, QueueFull
 from mtpflow.errors import UserError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.loop import RETRY_DRAFTS_EVERY
 from mtpflow.model import LoadedModel
 from mtpflow.request import Request

@@ -84,7 +84,7 @@ def test_tree_shape_and_scores(tiny, tmp_path):
     seen = []
 
     class Spy:
-        from mtpflow.hookspecs import hookimpl
+        from mtpflow.plugins import hookimpl
 
         @hookimpl
         def on_step_end(self, record):

@@ -11,7 +11,7 @@ import pytest
 from helpers import hf_greedy
 from mtpflow.engine import Engine
 from mtpflow.errors import UserError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.request import Request
 from mtpflow.traces.store import SCHEMA_VERSION, TraceStore
 

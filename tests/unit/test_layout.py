@@ -38,6 +38,28 @@ def test_tools_live_in_their_own_subpackage():
     assert not top_level & {"bench_batch", "bench_serve", "head_data", "domain_prompts"}
 
 
+def test_the_plugin_machinery_lives_in_one_package():
+    """Hook specs, the manager (entry points, guards), the core defaults and the listing are ``mtpflow.plugins``;
+    the top-level modules they once were are gone. ``mtpflow/hookspecs.py`` stays only as the stable import path
+    of the markers for plugins written against it: re-exports, no hook of its own."""
+    import ast
+
+    import mtpflow.hookspecs
+    import mtpflow.plugins
+
+    root = Path(mtpflow.__file__).parent
+    assert {p.name for p in (root / "plugins").glob("*.py")} >= {"__init__.py", "hookspecs.py", "manager.py",
+                                                                 "defaults.py", "__main__.py"}
+    top_level = {p.stem for p in root.glob("*.py")}
+    assert not top_level & {"plugins", "plugin_listing", "plugin_hookspecs", "runplugins", "thirdparty", "defaults"}
+    alias = ast.parse((root / "hookspecs.py").read_text()).body
+    kinds = [type(n).__name__ for n in alias]
+    assert kinds == ["Expr", "ImportFrom", "Assign"], kinds  # docstring, the re-export, __all__
+    assert alias[1].module == "mtpflow.plugins"
+    for name in ("hookimpl", "hookspec", "PROJECT"):
+        assert getattr(mtpflow.hookspecs, name) is getattr(mtpflow.plugins, name)
+
+
 def test_no_top_level_folder_of_the_checkout_is_a_python_package():
     """``python -m ...`` run from the checkout puts it first on ``sys.path``: a top-level ``kernels/`` with an
     ``__init__.py`` was imported in place of the PyPI ``kernels`` that transformers (5.25) imports at start, and

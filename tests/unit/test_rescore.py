@@ -7,7 +7,7 @@ import torch
 
 from helpers import hf_greedy, make_pipeline
 from mtpflow.errors import ConfigError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.strategies.rescore import TargetRescorer
 from mtpflow.types import RECOVERED, Decision, DecodeState, Draft, SamplingParams, Verification
 

@@ -7,7 +7,7 @@ import torch
 
 from helpers import count_runs, hf_greedy, make_pipeline, make_tiny_model, make_tiny_tokenizer
 from mtpflow.errors import ConfigError
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.model import LoadedModel
 from mtpflow.strategies.window import AttentionSinkWindow
 from mtpflow.target import Target

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ import math
 
 import torch
 from mtpflow.errors import ConfigError, check_range
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins import hookimpl
 from mtpflow.types import DecodeResult, DecodeState, Draft, StepRecord
 
 from mtpflow_plugin_example.suffix_index import HistoryRegistry, Match, SuffixIndex, continuation_tree

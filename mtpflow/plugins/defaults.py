@@ -3,9 +3,7 @@ third-party plugin can take any stage over: no drafting (K = 0), the shared-KV v
 gate, and the re-scorer that puts the target's own token at the first rejected position."""
 from __future__ import annotations
 
-import torch
-
-from mtpflow.hookspecs import hookimpl
+from mtpflow.plugins.hookspecs import hookimpl
 from mtpflow.sampling import choose
 from mtpflow.types import Decision, DecodeState, Draft, Verification
 

@@ -1,10 +1,15 @@
-"""Third-party plugins: installed distributions that declare an entry point in group ``mtpflow``. Each entry
-point names a module (or object) holding plugin-level hooks (``mtpflow.plugin_hookspecs``, e.g. the strategy
-folders it ships) and possibly stage hooks, which join a run only when a strategy lists the plugin under
-``strategy.plugins`` (stage classes named by ``_target_`` are built per run as usual).
+"""The plugin managers: every run gets its own ``PluginManager`` holding the core defaults, the strategy's stage
+objects (built from their ``_target_``) and any run-level plugins (traces), so two strategies can run side by side
+in one process (``make_plugin_manager``).
+
+Third-party plugins are installed distributions that declare an entry point in group ``mtpflow``. Each entry
+point names a module (or object) holding plugin-level hooks (``mtpflow.plugins.hookspecs.PLUGIN_LEVEL``, e.g.
+the strategy folders it ships) and possibly stage hooks, which join a run only when a strategy lists the plugin
+under ``strategy.plugins`` (stage classes named by ``_target_`` are built per run as usual).
 
 ``MTPFLOW_LOAD_PLUGINS`` picks which plugins load: unset loads all, empty loads none, ``a,b`` loads those.
-A broken plugin is skipped with one warning line; it fails with a one-line ``PluginError`` only where it is used.
+A broken plugin is skipped with one warning line; it fails with a one-line ``PluginError`` only where it is used,
+and a third-party hook that raises during a run fails that run with one line naming its plugin (``guard_hooks``).
 """
 from __future__ import annotations
 
@@ -18,13 +23,124 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pluggy
+from omegaconf import DictConfig, OmegaConf
 
-from mtpflow import hookspecs, plugin_hookspecs
 from mtpflow.errors import PluginError, UserError
+from mtpflow.plugins import hookspecs
+from mtpflow.plugins.defaults import CoreDefaults
 
 ENTRY_POINT_GROUP = "mtpflow"
 SELECT_ENV = "MTPFLOW_LOAD_PLUGINS"
+STAGES = ("select_k", "propose", "prune", "gate", "dedup", "rescore", "window")
+FILTER_STAGES = ("prune", "dedup")  # these take a list of implementations
 log = logging.getLogger("mtpflow.plugins")
+
+
+# ----- one run's plugin manager ---------------------------------------------------------------------------------
+def new_manager() -> pluggy.PluginManager:
+    """An empty manager that knows every hook (the plugin-level ones too, so an entry point module registers)."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    return pm
+
+
+def make_plugin_manager(strategy: DictConfig, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
+    pm = new_manager()
+    pm.register(CoreDefaults(), name="mtpflow.core")
+    for name, obj in build_stages(strategy):
+        _register(pm, obj, name)
+    for i, obj in enumerate(extra_plugins):
+        _register(pm, obj, f"run.plugin[{i}]:{type(obj).__name__}")
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        raise UserError(f"plugin {exc.plugin_name}: {exc}") from None
+    return pm
+
+
+def build_stages(strategy: DictConfig) -> list[tuple[str, object]]:
+    """(registration name, stage object) for every stage the strategy configures."""
+    stages: list[tuple[str, object]] = []
+    for stage in STAGES + ("plugins",):
+        node = strategy.get(stage)
+        if node is None:
+            continue
+        nodes = list(node) if OmegaConf.is_list(node) else [node]
+        if stage not in FILTER_STAGES + ("plugins",) and len(nodes) > 1:
+            raise UserError(f"strategy.{stage} takes one implementation, got {len(nodes)}")
+        for i, item in enumerate(nodes):
+            name = f"strategy.{stage}" + (f"[{i}]" if len(nodes) > 1 or OmegaConf.is_list(node) else "")
+            if stage == "plugins" and isinstance(item, str):  # an entry point name: the plugin's own hooks
+                stages.append((f"{name}:{item}", plugin_object(item)))
+            else:
+                stages.append((name, build_stage(item, name)))
+    return stages
+
+
+def build_stage(node, where: str):
+    """Instantiate one stage object from its config node, turning mistakes into one-line UserErrors."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    try:
+        return instantiate(node, _convert_="all")
+    except InstantiationException as exc:
+        cause = exc.__cause__
+        while cause is not None and not isinstance(cause, UserError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, UserError):
+            raise cause from None
+        first = str(exc).strip().splitlines()[0]
+        raise UserError(f"cannot build {where}: {_owner_prefix(node)}{first}") from None
+    except UserError:
+        raise
+    except Exception as exc:  # a broken stage class: name it
+        raise UserError(f"cannot build {where} ({node.get('_target_')}): {_owner_prefix(node)}"
+                        f"{type(exc).__name__}: {exc}") from None
+
+
+def _owner_prefix(node) -> str:
+    """'plugin NAME (dist): ' when the stage class comes from a third-party plugin (and a hint if it is broken)."""
+    target = str(node.get("_target_", "")) if hasattr(node, "get") else ""
+    label = owner_label(target) if target else None
+    return f"{label}: " if label else ""
+
+
+def _register(pm: pluggy.PluginManager, obj: object, name: str) -> None:
+    module = getattr(obj, "__name__", None) if inspect.ismodule(obj) else type(obj).__module__
+    label = owner_label(module or "")
+    where = f"{label}, {name}" if label else name
+    if misspelled := unknown_hooks(obj):  # pluggy would only say "unknown hook" without a hint
+        raise PluginError(f"{where} ({_qualname(obj)}) implements unknown hook {', '.join(misspelled)}")
+    try:
+        pm.register(obj, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise UserError(f"plugin {where} ({type(obj).__name__}): {exc}") from None
+    if label:  # a third-party hook that raises becomes one line naming its plugin
+        guard_hooks(pm, obj, f"{label}, {_qualname(obj)}")
+
+
+def _qualname(obj: object) -> str:
+    if inspect.ismodule(obj):
+        return obj.__name__
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def default_run_plugins(cfg: DictConfig) -> tuple:
+    """Factories ``f(pipeline) -> plugin`` for the run plugins the top-level config enables (trace recording),
+    added to every run of the CLI, the benchmark, the server and the playground."""
+    factories = []
+    trace = cfg.get("trace")
+    if trace is not None and trace.get("enabled", False):
+        # Opening the store here (before the model loads) turns a corrupt file or an unwritable folder
+        # into one UserError line up front; trace.sample and trace.retention apply to every run plugin user.
+        from mtpflow.traces.recorder import recorder_from_config
+
+        factories.append(recorder_from_config(trace))
+    return tuple(factories)
+
+
+# ----- third-party plugins (entry points) -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -59,13 +175,13 @@ def selected_names(raw: str | None) -> frozenset[str] | None:
     return frozenset(n.strip() for n in raw.split(",") if n.strip())
 
 
-def plugins() -> tuple[ThirdPartyPlugin, ...]:
+def third_party_plugins() -> tuple[ThirdPartyPlugin, ...]:
     """Every entry point of the group, loaded when selected (cached per value of MTPFLOW_LOAD_PLUGINS)."""
     return _load_all(os.environ.get(SELECT_ENV))
 
 
 def loaded_plugins() -> tuple[ThirdPartyPlugin, ...]:
-    return tuple(p for p in plugins() if p.selected and p.error is None)
+    return tuple(p for p in third_party_plugins() if p.selected and p.error is None)
 
 
 def clear_cache() -> None:
@@ -74,14 +190,15 @@ def clear_cache() -> None:
     _distribution_of_package.cache_clear()
 
 
-def strategy_dirs() -> list[Path]:
+def plugin_strategy_dirs() -> list[Path]:
+    """Strategy folders (each named ``strategy``) contributed by the loaded third-party plugins."""
     return [d for p in loaded_plugins() for d in p.strategy_dirs]
 
 
 def plugin_object(name: str) -> object:
     """The loaded object of entry point ``name`` (for ``strategy.plugins: [name]``); a class is instantiated
     so each run gets fresh state."""
-    for p in plugins():
+    for p in third_party_plugins():
         if p.name == name:
             if p.error:
                 raise PluginError(f"{p.label}: {p.error}")
@@ -93,7 +210,7 @@ def plugin_object(name: str) -> object:
 
 def trouble_note() -> str:
     """A clause for 'unknown strategy' errors: broken plugins and installed plugins that were not loaded."""
-    found = plugins()
+    found = third_party_plugins()
     broken = [f"{p.label} is broken: {p.error}" for p in found if p.selected and p.error]
     skipped = [p.name for p in found if not p.selected]
     notes = broken + ([f"{SELECT_ENV} does not load {', '.join(skipped)}"] if skipped else [])
@@ -106,7 +223,7 @@ def owner_label(module: str) -> str | None:
     top = module.split(".", 1)[0]
     if top == "mtpflow":
         return None
-    for p in plugins():
+    for p in third_party_plugins():
         if p.package == top:
             return p.label
     dist = _distribution_of_package(top)
@@ -132,7 +249,7 @@ def _guarded(function, label: str, hook: str):
         except UserError:
             raise
         except Exception as exc:
-            raise PluginError(f"{label}: hook {hook} raised {_one_line(exc)}") from exc
+            raise PluginError(f"{label}: hook {hook} raised {one_line(exc)}") from exc
 
     return call
 
@@ -151,14 +268,9 @@ def hooks_of(obj: object) -> tuple[str, ...]:
     return tuple(names)
 
 
-def spec_names() -> set[str]:
-    return {n for mod in (hookspecs, plugin_hookspecs) for n, f in vars(mod).items()
-            if callable(f) and getattr(f, f"{hookspecs.PROJECT}_spec", None) is not None}
-
-
 def unknown_hooks(obj: object) -> list[str]:
     """'name (did you mean X?)' for every hook implementation whose name is no hookspec (a misspelling)."""
-    known = spec_names()
+    known = set(hookspecs.specs())
     out = []
     for name in hooks_of(obj):
         if name not in known:
@@ -202,7 +314,7 @@ def _load_one(ep, dist: str) -> ThirdPartyPlugin:
     try:
         obj = ep.load()
     except Exception as exc:  # an import error, or any exception the module raises while importing
-        return broken(f"cannot import {ep.value}: {_one_line(exc)}")
+        return broken(f"cannot import {ep.value}: {one_line(exc)}")
     hooks = hooks_of(obj)
     if misspelled := unknown_hooks(obj):
         return broken(f"{ep.value} implements unknown hook {', '.join(misspelled)}")
@@ -211,20 +323,18 @@ def _load_one(ep, dist: str) -> ThirdPartyPlugin:
         try:
             instance = obj()
         except Exception as exc:
-            return broken(f"cannot instantiate {ep.value}: {_one_line(exc)}")
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    pm.add_hookspecs(plugin_hookspecs)
+            return broken(f"cannot instantiate {ep.value}: {one_line(exc)}")
+    pm = new_manager()
     try:
         pm.register(instance, name=ep.name)
     except (pluggy.PluginValidationError, ValueError) as exc:
-        return broken(_one_line(exc))
+        return broken(one_line(exc))
     dirs: list[Path] = []
     try:
         for found in pm.hook.mtpflow_strategy_dirs():
             dirs.extend(Path(d) for d in (found or ()))
     except Exception as exc:
-        return broken(f"hook mtpflow_strategy_dirs raised {_one_line(exc)}")
+        return broken(f"hook mtpflow_strategy_dirs raised {one_line(exc)}")
     for d in dirs:
         if not d.is_dir():
             return broken(f"mtpflow_strategy_dirs returned {d}, which is not a folder")
@@ -261,6 +371,6 @@ def _distribution_of_package(top: str) -> str | None:
     return dists[0] if dists else None
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

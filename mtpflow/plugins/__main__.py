@@ -10,7 +10,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mtpflow import thirdparty
+from mtpflow.plugins import hookspecs, manager
+from mtpflow.plugins.defaults import CoreDefaults
 
 USAGE = "usage: python -m mtpflow.plugins [--json | --hooks]   (--hooks: every hook with its signature)"
 
@@ -54,9 +55,9 @@ def class_hooks(target: str) -> list[str] | str:
     from hydra.utils import get_object
 
     try:
-        return list(thirdparty.hooks_of(get_object(target)))
+        return list(manager.hooks_of(get_object(target)))
     except Exception as exc:
-        return f"cannot import: {thirdparty._one_line(exc)}"
+        return f"cannot import: {manager.one_line(exc)}"
 
 
 def _stage_classes(targets: dict[str, list[str]]) -> dict[str, object]:
@@ -66,17 +67,16 @@ def _stage_classes(targets: dict[str, list[str]]) -> dict[str, object]:
 def describe() -> dict:
     """Everything the listing prints, as plain data."""
     from mtpflow.conf import conf_dir
-    from mtpflow.defaults import CoreDefaults
 
     builtin_targets = strategy_targets(conf_dir() / "strategy")
     builtin = {
         "name": "mtpflow (built-in)",
-        "hooks": {"mtpflow.defaults.CoreDefaults": list(thirdparty.hooks_of(CoreDefaults))},
+        "hooks": {"mtpflow.plugins.defaults.CoreDefaults": list(manager.hooks_of(CoreDefaults))},
         "stage_classes": _stage_classes(builtin_targets),
         "strategies": sorted(builtin_targets),
     }
     third = []
-    for p in thirdparty.plugins():
+    for p in manager.third_party_plugins():
         entry = {"name": p.name, "entry_point": p.value, "distribution": p.distribution,
                  "status": "not loaded" if not p.selected else ("broken" if p.error else "loaded"),
                  "error": p.error, "hooks": list(p.hooks), "strategies": list(p.strategies),
@@ -87,7 +87,7 @@ def describe() -> dict:
         # only the plugin's own classes: the built-in gate a strategy reuses is listed under mtpflow
         entry["stage_classes"] = {t: h for t, h in _stage_classes(targets).items() if not t.startswith("mtpflow.")}
         third.append(entry)
-    return {"selection": os.environ.get(thirdparty.SELECT_ENV), "builtin": builtin, "third_party": third}
+    return {"selection": os.environ.get(manager.SELECT_ENV), "builtin": builtin, "third_party": third}
 
 
 def format_listing(info: dict) -> str:
@@ -99,8 +99,8 @@ def format_listing(info: dict) -> str:
     lines.append(f"  strategies: {', '.join(info['builtin']['strategies'])}")
     sel = info["selection"]
     how = "unset: all load" if sel is None else (f"{sel!r}" if sel.strip() else "empty: none load")
-    lines += ["", f"Third-party plugins (entry point group {thirdparty.ENTRY_POINT_GROUP!r}; "
-                  f"{thirdparty.SELECT_ENV} {how})"]
+    lines += ["", f"Third-party plugins (entry point group {manager.ENTRY_POINT_GROUP!r}; "
+                  f"{manager.SELECT_ENV} {how})"]
     if not info["third_party"]:
         lines.append("  none installed")
     for p in info["third_party"]:
@@ -120,17 +120,16 @@ def hook_reference() -> str:
     """Every hookspec (stage hooks, then plugin-level hooks) with its signature and docstring."""
     import inspect
 
-    from mtpflow import hookspecs, plugin_hookspecs
-
+    specs = hookspecs.specs()
     lines = []
-    for module, title in ((hookspecs, "Stage hooks (per run)"), (plugin_hookspecs, "Plugin-level hooks (once)")):
-        lines.append(f"{title}: {module.__name__}")
-        for name, fn in vars(module).items():
-            opts = getattr(fn, f"{hookspecs.PROJECT}_spec", None)
-            if callable(fn) and opts is not None:
-                first = " [firstresult]" if opts.get("firstresult") else ""
-                lines.append(f"  {name}{inspect.signature(fn)}{first}")
-                lines += [f"      {line.strip()}" for line in (fn.__doc__ or "").strip().splitlines()]
+    for title, names in (("Stage hooks (per run)", [n for n in specs if n not in hookspecs.PLUGIN_LEVEL]),
+                         ("Plugin-level hooks (once)", list(hookspecs.PLUGIN_LEVEL))):
+        lines.append(f"{title}: {hookspecs.__name__}")
+        for name in names:
+            fn = specs[name]
+            first = " [firstresult]" if getattr(fn, f"{hookspecs.PROJECT}_spec").get("firstresult") else ""
+            lines.append(f"  {name}{inspect.signature(fn)}{first}")
+            lines += [f"      {line.strip()}" for line in (fn.__doc__ or "").strip().splitlines()]
     return "\n".join(lines)
 
 
@@ -145,3 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     info = describe()
     print(json.dumps(info, indent=2) if "--json" in argv else format_listing(info))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
