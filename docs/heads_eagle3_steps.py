@@ -16,8 +16,9 @@ import torch
 
 
 def main(limit: int = 8, threads: int = 1) -> None:
-    from mtpflow.forward import hidden_taps
-    from mtpflow.model import encode_prompt, load_configured
+    from mtpflow.types import hidden_taps
+    from mtpflow.model import load_configured
+    from mtpflow.request import encode_prompt
     from mtpflow.strategies.head_modules import draft_index, load_heads
     from mtpflow.strategies.mtp_heads import shipped_heads
     from mtpflow.tools.head_data import sample_batch

@@ -15,9 +15,9 @@ from omegaconf import DictConfig, OmegaConf
 from mtpflow.config import compose, effective_temperature, read_prompt, stop_strings, validate
 from mtpflow.engine import Engine
 from mtpflow.errors import UserError
-from mtpflow.model import encode_prompt, load_configured
+from mtpflow.model import load_configured
 from mtpflow.plugins.manager import build_stages
-from mtpflow.request import Request
+from mtpflow.request import Request, encode_prompt
 from mtpflow.types import DecodeResult, StepRecord
 
 # Factories called once per run to add run-level plugins (trace recorder, metrics); see ``add_run_plugin``.

@@ -12,14 +12,14 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from mtpflow.conf import conf_dir
-from mtpflow.errors import ConfigError, UserError, check_int, check_range
+from mtpflow.errors import ConfigError, UserError, check_int, check_k, check_range
 
 _compose_lock = threading.Lock()  # Hydra's global state is not thread-safe
 
 
 def strategy_dirs() -> list[Path]:
     """Folders holding strategy YAMLs: the built-in one, then those contributed by plugins."""
-    from mtpflow.plugins.manager import plugin_strategy_dirs
+    from mtpflow.plugins.entry_points import plugin_strategy_dirs
 
     return [conf_dir() / "strategy", *plugin_strategy_dirs()]
 
@@ -54,7 +54,7 @@ def compose(overrides: list[str] | tuple[str, ...] = ()) -> DictConfig:
         if o.startswith("strategy=") and "/" not in o:
             name = o.split("=", 1)[1]
             if name not in available_strategies():
-                from mtpflow.plugins.manager import trouble_note
+                from mtpflow.plugins.entry_points import trouble_note
 
                 raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}"
                                 f"{trouble_note()}")
@@ -131,8 +131,6 @@ def validate(cfg: DictConfig) -> None:
     check_int("top_k", cfg.top_k, 0)
     check_int("seed", cfg.seed)
     if cfg.get("k") is not None:
-        from mtpflow.strategies.k_selectors import check_k
-
         check_k("k", cfg.k)
     from mtpflow.backends.execution import ExecutionSpec
     from mtpflow.kernels.dispatch import check_backend_usable

@@ -35,7 +35,7 @@ from mtpflow.backends import ExecutionSpec, create as create_backend
 from mtpflow.kernels.dispatch import use_backend
 from mtpflow.loop import Sequence, StepCallback, decode_step
 from mtpflow.model import load_configured
-from mtpflow.plugins.manager import build_stages, make_plugin_manager
+from mtpflow.plugins.manager import build_stages, default_run_plugins, make_plugin_manager
 from mtpflow.prefix_cache import PrefixKVCache
 from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
 from mtpflow.shared import SharedState
@@ -259,8 +259,6 @@ class Engine:
         config's run plugins (traces) unless ``run_plugins`` is given."""
         cfg = compose(list(overrides))
         if "run_plugins" not in kwargs:
-            from mtpflow.plugins.manager import default_run_plugins
-
             kwargs["run_plugins"] = default_run_plugins(cfg)
         return cls(cfg, **kwargs)
 

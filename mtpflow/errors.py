@@ -50,6 +50,14 @@ def check_int(name: str, value, low=None, high=None) -> int:
     return int(number)
 
 
+MAX_K = 64  # upper bound on draft depth accepted from any K selector (and on any K-like count of a stage)
+
+
+def check_k(name: str, k) -> int:
+    """A draft depth or count a user sets (``k``, a proposer's depth): a whole number in [0, MAX_K]."""
+    return check_int(name, k, 0, MAX_K)
+
+
 def writable_folder(path) -> None:
     """Create the folder ``path`` and check a file can be written there: a clear error before the work whose
     results would go there, instead of a traceback after it."""

@@ -46,29 +46,6 @@ def _plain_llama(model) -> bool:
     return bool(layers) and all(hasattr(layer, "self_attn") and hasattr(layer, "mlp") for layer in layers)
 
 
-def hidden_taps(model, spec) -> tuple[int, ...]:
-    """A strategy's ``needs_hidden_states`` -> which hidden states a forward returns, in order (concatenated on
-    the last dimension): ``()`` none; ``-1`` the last hidden state after the final norm (``true``); ``i`` in
-    ``0..L-2`` the output of decoder layer i (HF's ``hidden_states[i + 1]``; the last layer's is -1, normed).
-    ``eagle3`` is EAGLE-3's low, middle and high layers (2, L // 2, L - 3 of L layers, clipped to 0..L-2 for
-    tiny models); a list names the taps itself."""
-    if spec is None or spec is False:
-        return ()
-    if spec is True:
-        return (-1,)
-    layers = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "num_hidden_layers"))
-    if isinstance(spec, str):
-        if spec != "eagle3":
-            raise ValueError(f"needs_hidden_states must be true, false, eagle3 or a list of layers, got {spec!r}")
-        if layers < 2:
-            return (-1,)
-        return tuple(sorted({max(0, min(t, layers - 2)) for t in (2, layers // 2, layers - 3)}))
-    taps = tuple(int(t) for t in spec)
-    if not taps or any(t < -1 or t >= layers - 1 for t in taps):
-        raise ValueError(f"needs_hidden_states layers must be -1 or 0..{layers - 2}, got {list(taps)}")
-    return taps
-
-
 def taps_of(need_hidden) -> tuple[int, ...]:
     """``need_hidden`` as a caller may pass it (False / True / a tuple of taps) -> a tuple of taps."""
     if isinstance(need_hidden, tuple):
@@ -114,7 +91,7 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, attentio
     input_ids, position_ids: [B, q]; attention_mask: None (causal, queries after the cache) or the additive /
     boolean 4D mask [B, 1, q, kv] the caller built; cache: an HF ``Cache`` whose layers' ``update`` store the
     new keys and values (the pool views of ``mtpflow.kv_cache``); need_hidden: False, True or a tuple of taps
-    (``hidden_taps``). Returns (logits [B, q or logits_to_keep, vocab], the taps concatenated
+    (``mtpflow.types.hidden_taps``). Returns (logits [B, q or logits_to_keep, vocab], the taps concatenated
     [B, q, hidden * len(taps)] or None; True: the last hidden state after the final norm). The norms and the
     rotary embedding are the model's own modules and functions; only the attention block is written out
     (``decoder_layer``); the products are ``products``'. ``segments``: see ``forward_packed``."""

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 
 from mtpflow.cost_model import DecayedAcceptance
-from mtpflow.errors import UserError
+from mtpflow.errors import MAX_K, UserError
 from mtpflow.plugins import hookimpl
 from mtpflow.sampling import choose
 from mtpflow.target import Target
@@ -26,7 +26,6 @@ from mtpflow.types import (
     RunStats, StepRecord, Verification,
 )
 
-MAX_K = 64  # upper bound on draft depth accepted from any K selector
 # steps a batch that stopped drafting (its last drafts' sizes said no draft pays) goes without proposing before it
 # proposes again: the sizes are refreshed (a lookup that found nothing last time may find a match now) and the
 # batch may have shrunk to where drafts pay; the cap after proposing still cuts what does not pay

@@ -192,15 +192,3 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
         eos_ids.add(tokenizer.eos_token_id)
     max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
     return LoadedModel(model, tokenizer, model_id, dev, torch_dtype, max_context, tuple(sorted(eos_ids)), int8)
-
-
-def encode_prompt(tokenizer, prompt: str, chat: bool = True, system_prompt: str | None = None) -> list[int]:
-    """Token ids of a prompt, through the tokenizer's chat template unless ``chat`` is false."""
-    if chat and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": prompt}
-        ]
-        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(i) for i in ids]
-    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]

@@ -15,10 +15,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mtpflow.errors import ConfigError, UserError, check_int, check_range
-from mtpflow.forward import hidden_taps
-from mtpflow.model import encode_prompt
-from mtpflow.types import RunContext, SamplingParams
+from mtpflow.errors import ConfigError, UserError, check_int, check_k, check_range
+from mtpflow.types import RunContext, SamplingParams, hidden_taps
 
 
 @dataclass
@@ -51,7 +49,7 @@ class Prepared:
     strategy: DictConfig  # the strategy's config node with the request's overrides
     context: RunContext
     stop: tuple[str, ...]
-    need_hidden: tuple[int, ...]  # hidden-state taps its forwards return (mtpflow.forward.hidden_taps)
+    need_hidden: tuple[int, ...]  # hidden-state taps its forwards return (mtpflow.types.hidden_taps)
     context_window: int | None
 
 
@@ -73,8 +71,6 @@ def apply_overrides(strategy: DictConfig, overrides: dict[str, Any]) -> DictConf
             selector = out.get("select_k")
             if selector is None or "k" not in selector:
                 raise UserError(f"k does not apply to strategy {out.get('name')!r}: its K selector has no k parameter")
-            from mtpflow.strategies.k_selectors import check_k
-
             value = check_k("k", value)
             key = "select_k.k"
         if any(part in FORBIDDEN_OVERRIDE_PARTS for part in key.split(".")):
@@ -103,6 +99,18 @@ def hidden_taps_of(model, spec) -> tuple[int, ...]:
         return hidden_taps(model, spec)
     except (TypeError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool = True, system_prompt: str | None = None) -> list[int]:
+    """Token ids of a prompt, through the tokenizer's chat template unless ``chat`` is false."""
+    if chat and getattr(tokenizer, "chat_template", None):
+        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt, add_special_tokens=True)["input_ids"]]
 
 
 def check_messages(messages) -> list[dict[str, str]]:

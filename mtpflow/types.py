@@ -285,3 +285,28 @@ class DecodeResult:
     stats: dict[str, Any]
     steps: list[StepRecord] = field(default_factory=list)
     run_id: int | None = None
+
+
+# ----- what a strategy asks of the forwards: read from its config when a request is checked, so checking one
+# needs no forward module
+def hidden_taps(model, spec) -> tuple[int, ...]:
+    """A strategy's ``needs_hidden_states`` -> which hidden states a forward returns, in order (concatenated on
+    the last dimension): ``()`` none; ``-1`` the last hidden state after the final norm (``true``); ``i`` in
+    ``0..L-2`` the output of decoder layer i (HF's ``hidden_states[i + 1]``; the last layer's is -1, normed).
+    ``eagle3`` is EAGLE-3's low, middle and high layers (2, L // 2, L - 3 of L layers, clipped to 0..L-2 for
+    tiny models); a list names the taps itself."""
+    if spec is None or spec is False:
+        return ()
+    if spec is True:
+        return (-1,)
+    layers = int(getattr(getattr(model.config, "get_text_config", lambda: model.config)(), "num_hidden_layers"))
+    if isinstance(spec, str):
+        if spec != "eagle3":
+            raise ValueError(f"needs_hidden_states must be true, false, eagle3 or a list of layers, got {spec!r}")
+        if layers < 2:
+            return (-1,)
+        return tuple(sorted({max(0, min(t, layers - 2)) for t in (2, layers // 2, layers - 3)}))
+    taps = tuple(int(t) for t in spec)
+    if not taps or any(t < -1 or t >= layers - 1 for t in taps):
+        raise ValueError(f"needs_hidden_states layers must be -1 or 0..{layers - 2}, got {list(taps)}")
+    return taps

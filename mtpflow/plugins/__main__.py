@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mtpflow.plugins import hookspecs, manager
+from mtpflow.plugins import entry_points, hookspecs
 from mtpflow.plugins.defaults import CoreDefaults
 
 USAGE = "usage: python -m mtpflow.plugins [--json | --hooks]   (--hooks: every hook with its signature)"
@@ -55,9 +55,9 @@ def class_hooks(target: str) -> list[str] | str:
     from hydra.utils import get_object
 
     try:
-        return list(manager.hooks_of(get_object(target)))
+        return list(entry_points.hooks_of(get_object(target)))
     except Exception as exc:
-        return f"cannot import: {manager.one_line(exc)}"
+        return f"cannot import: {entry_points.one_line(exc)}"
 
 
 def _stage_classes(targets: dict[str, list[str]]) -> dict[str, object]:
@@ -71,12 +71,12 @@ def describe() -> dict:
     builtin_targets = strategy_targets(conf_dir() / "strategy")
     builtin = {
         "name": "mtpflow (built-in)",
-        "hooks": {"mtpflow.plugins.defaults.CoreDefaults": list(manager.hooks_of(CoreDefaults))},
+        "hooks": {"mtpflow.plugins.defaults.CoreDefaults": list(entry_points.hooks_of(CoreDefaults))},
         "stage_classes": _stage_classes(builtin_targets),
         "strategies": sorted(builtin_targets),
     }
     third = []
-    for p in manager.third_party_plugins():
+    for p in entry_points.third_party_plugins():
         entry = {"name": p.name, "entry_point": p.value, "distribution": p.distribution,
                  "status": "not loaded" if not p.selected else ("broken" if p.error else "loaded"),
                  "error": p.error, "hooks": list(p.hooks), "strategies": list(p.strategies),
@@ -87,7 +87,7 @@ def describe() -> dict:
         # only the plugin's own classes: the built-in gate a strategy reuses is listed under mtpflow
         entry["stage_classes"] = {t: h for t, h in _stage_classes(targets).items() if not t.startswith("mtpflow.")}
         third.append(entry)
-    return {"selection": os.environ.get(manager.SELECT_ENV), "builtin": builtin, "third_party": third}
+    return {"selection": os.environ.get(entry_points.SELECT_ENV), "builtin": builtin, "third_party": third}
 
 
 def format_listing(info: dict) -> str:
@@ -99,8 +99,8 @@ def format_listing(info: dict) -> str:
     lines.append(f"  strategies: {', '.join(info['builtin']['strategies'])}")
     sel = info["selection"]
     how = "unset: all load" if sel is None else (f"{sel!r}" if sel.strip() else "empty: none load")
-    lines += ["", f"Third-party plugins (entry point group {manager.ENTRY_POINT_GROUP!r}; "
-                  f"{manager.SELECT_ENV} {how})"]
+    lines += ["", f"Third-party plugins (entry point group {entry_points.ENTRY_POINT_GROUP!r}; "
+                  f"{entry_points.SELECT_ENV} {how})"]
     if not info["third_party"]:
         lines.append("  none installed")
     for p in info["third_party"]:

@@ -5,10 +5,11 @@ diagram: select_k -> propose -> prune -> verify -> gate -> dedup -> rescore -> c
 with on_step_end after every step and on_run_start / on_run_end around the run.
 
 Plugin-level hooks (``PLUGIN_LEVEL``, at the end): what an installed third-party plugin (entry point group
-``mtpflow``) contributes to the process as a whole; called once, when ``mtpflow.plugins.manager`` loads it.
+``mtpflow``) contributes to the process as a whole; called once, when ``mtpflow.plugins.entry_points`` loads it.
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,6 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from mtpflow.target import Target
     from mtpflow.types import DecodeResult, DecodeState, Decision, Draft, RunContext, StepRecord, Verification
 
 PROJECT = "mtpflow"
@@ -48,8 +48,10 @@ def prune(state: DecodeState, draft: Draft) -> torch.Tensor | None:
 
 
 @hookspec(firstresult=True)
-def verify(state: DecodeState, draft: Draft, target: Target) -> Verification | None:
-    """Run ONE target forward over the root and all draft nodes on the shared KV cache."""
+def verify(state: DecodeState, draft: Draft, target: Any) -> Verification | None:
+    """Run ONE target forward over the root and all draft nodes on the shared KV cache. ``target`` is the
+    sequence's ``mtpflow.target.Target`` (its KV slot and the engine's backend); it is not imported here, so the
+    hooks, which every stage imports, sit below everything that runs them."""
 
 
 @hookspec(firstresult=True)
@@ -104,3 +106,10 @@ def mtpflow_strategy_dirs() -> list[str | Path]:
 def specs() -> dict[str, object]:
     """{hook name: its spec function}, stage hooks first, in definition order."""
     return {name: f for name, f in globals().items() if callable(f) and hasattr(f, f"{PROJECT}_spec")}
+
+
+def new_manager() -> pluggy.PluginManager:
+    """An empty manager that knows every hook (the plugin-level ones too, so an entry point module registers)."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(sys.modules[__name__])
+    return pm

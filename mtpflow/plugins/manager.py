@@ -1,26 +1,14 @@
-"""The plugin managers: every run gets its own ``PluginManager`` holding the core defaults, the strategy's stage
-objects (built from their ``_target_``) and any run-level plugins (traces), so two strategies can run side by side
-in one process (``make_plugin_manager``).
+"""The plugin manager of a run: every run gets its own ``PluginManager`` holding the core defaults, the strategy's
+stage objects (built from their ``_target_``), the entry point objects its ``strategy.plugins`` names and any
+run-level plugins (traces), so two strategies can run side by side in one process (``make_plugin_manager``).
 
-Third-party plugins are installed distributions that declare an entry point in group ``mtpflow``. Each entry
-point names a module (or object) holding plugin-level hooks (``mtpflow.plugins.hookspecs.PLUGIN_LEVEL``, e.g.
-the strategy folders it ships) and possibly stage hooks, which join a run only when a strategy lists the plugin
-under ``strategy.plugins`` (stage classes named by ``_target_`` are built per run as usual).
-
-``MTPFLOW_LOAD_PLUGINS`` picks which plugins load: unset loads all, empty loads none, ``a,b`` loads those.
-A broken plugin is skipped with one warning line; it fails with a one-line ``PluginError`` only where it is used,
-and a third-party hook that raises during a run fails that run with one line naming its plugin (``guard_hooks``).
+A stage that comes from a third-party plugin (``mtpflow.plugins.entry_points``) is registered with a guard: a
+hook of it that raises fails the run with one line naming the plugin, not a traceback.
 """
 from __future__ import annotations
 
-import difflib
 import functools
-import importlib.metadata
 import inspect
-import logging
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pluggy
 from omegaconf import DictConfig, OmegaConf
@@ -28,24 +16,14 @@ from omegaconf import DictConfig, OmegaConf
 from mtpflow.errors import PluginError, UserError
 from mtpflow.plugins import hookspecs
 from mtpflow.plugins.defaults import CoreDefaults
+from mtpflow.plugins.entry_points import one_line, owner_label, plugin_object, unknown_hooks
 
-ENTRY_POINT_GROUP = "mtpflow"
-SELECT_ENV = "MTPFLOW_LOAD_PLUGINS"
 STAGES = ("select_k", "propose", "prune", "gate", "dedup", "rescore", "window")
 FILTER_STAGES = ("prune", "dedup")  # these take a list of implementations
-log = logging.getLogger("mtpflow.plugins")
-
-
-# ----- one run's plugin manager ---------------------------------------------------------------------------------
-def new_manager() -> pluggy.PluginManager:
-    """An empty manager that knows every hook (the plugin-level ones too, so an entry point module registers)."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
-    return pm
 
 
 def make_plugin_manager(strategy: DictConfig, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
-    pm = new_manager()
+    pm = hookspecs.new_manager()
     pm.register(CoreDefaults(), name="mtpflow.core")
     for name, obj in build_stages(strategy):
         _register(pm, obj, name)
@@ -126,110 +104,6 @@ def _qualname(obj: object) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def default_run_plugins(cfg: DictConfig) -> tuple:
-    """Factories ``f(pipeline) -> plugin`` for the run plugins the top-level config enables (trace recording),
-    added to every run of the CLI, the benchmark, the server and the playground."""
-    factories = []
-    trace = cfg.get("trace")
-    if trace is not None and trace.get("enabled", False):
-        # Opening the store here (before the model loads) turns a corrupt file or an unwritable folder
-        # into one UserError line up front; trace.sample and trace.retention apply to every run plugin user.
-        from mtpflow.traces.recorder import recorder_from_config
-
-        factories.append(recorder_from_config(trace))
-    return tuple(factories)
-
-
-# ----- third-party plugins (entry points) -----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ThirdPartyPlugin:
-    """One entry point of group ``mtpflow`` and what loading it gave."""
-
-    name: str  # the entry point name (what MTPFLOW_LOAD_PLUGINS and strategy.plugins refer to)
-    value: str  # "module" or "module:attribute"
-    distribution: str  # "name version" of the distribution declaring it
-    obj: object | None = None  # the loaded module or object; None when broken or not selected
-    hooks: tuple[str, ...] = ()  # hooks the object implements
-    strategy_dirs: tuple[Path, ...] = ()
-    strategies: tuple[str, ...] = ()
-    error: str | None = None  # one line saying why the plugin is broken
-    selected: bool = True  # False when MTPFLOW_LOAD_PLUGINS leaves it out
-    problems: tuple[str, ...] = field(default=())  # non-fatal notes (e.g. a shadowed strategy)
-
-    @property
-    def label(self) -> str:
-        return f"plugin {self.name!r} ({self.distribution})"
-
-    @property
-    def package(self) -> str:
-        """The top-level import package of the entry point, used to tell which classes belong to it."""
-        return self.value.split(":", 1)[0].split(".", 1)[0]
-
-
-def selected_names(raw: str | None) -> frozenset[str] | None:
-    """None (load all) when the variable is unset, else the set of names it lists (empty: load none)."""
-    if raw is None:
-        return None
-    return frozenset(n.strip() for n in raw.split(",") if n.strip())
-
-
-def third_party_plugins() -> tuple[ThirdPartyPlugin, ...]:
-    """Every entry point of the group, loaded when selected (cached per value of MTPFLOW_LOAD_PLUGINS)."""
-    return _load_all(os.environ.get(SELECT_ENV))
-
-
-def loaded_plugins() -> tuple[ThirdPartyPlugin, ...]:
-    return tuple(p for p in third_party_plugins() if p.selected and p.error is None)
-
-
-def clear_cache() -> None:
-    """Forget loaded plugins (after installing one, or in tests that fake a distribution)."""
-    _load_all.cache_clear()
-    _distribution_of_package.cache_clear()
-
-
-def plugin_strategy_dirs() -> list[Path]:
-    """Strategy folders (each named ``strategy``) contributed by the loaded third-party plugins."""
-    return [d for p in loaded_plugins() for d in p.strategy_dirs]
-
-
-def plugin_object(name: str) -> object:
-    """The loaded object of entry point ``name`` (for ``strategy.plugins: [name]``); a class is instantiated
-    so each run gets fresh state."""
-    for p in third_party_plugins():
-        if p.name == name:
-            if p.error:
-                raise PluginError(f"{p.label}: {p.error}")
-            if not p.selected:
-                raise PluginError(f"plugin {name!r} is installed but {SELECT_ENV} does not load it")
-            return p.obj() if inspect.isclass(p.obj) else p.obj
-    raise UserError(f"no mtpflow plugin named {name!r} is installed (entry point group {ENTRY_POINT_GROUP!r})")
-
-
-def trouble_note() -> str:
-    """A clause for 'unknown strategy' errors: broken plugins and installed plugins that were not loaded."""
-    found = third_party_plugins()
-    broken = [f"{p.label} is broken: {p.error}" for p in found if p.selected and p.error]
-    skipped = [p.name for p in found if not p.selected]
-    notes = broken + ([f"{SELECT_ENV} does not load {', '.join(skipped)}"] if skipped else [])
-    return ("; " + "; ".join(notes)) if notes else ""
-
-
-def owner_label(module: str) -> str | None:
-    """'plugin NAME (dist version)' for a module that belongs to a third-party plugin or distribution, None
-    for mtpflow's own modules and modules no installed distribution ships (e.g. a test file)."""
-    top = module.split(".", 1)[0]
-    if top == "mtpflow":
-        return None
-    for p in third_party_plugins():
-        if p.package == top:
-            return p.label
-    dist = _distribution_of_package(top)
-    return f"package {dist}" if dist else None
-
-
 def guard_hooks(pm: pluggy.PluginManager, plugin: object, label: str) -> None:
     """Make the plugin's hook implementations raise a one-line PluginError naming it instead of a traceback.
 
@@ -254,123 +128,15 @@ def _guarded(function, label: str, hook: str):
     return call
 
 
-def hooks_of(obj: object) -> tuple[str, ...]:
-    """Names of the hook implementations an object (module, class or instance) carries, in definition order."""
-    marker = f"{hookspecs.PROJECT}_impl"
-    names = []
-    for name in dir(obj):
-        try:
-            attr = getattr(obj, name)
-        except Exception:  # a property that fails on the class
-            continue
-        if callable(attr) and getattr(attr, marker, None) is not None:
-            names.append(name)
-    return tuple(names)
+def default_run_plugins(cfg: DictConfig) -> tuple:
+    """Factories ``f(pipeline) -> plugin`` for the run plugins the top-level config enables (trace recording),
+    added to every run of the CLI, the benchmark, the server and the playground."""
+    factories = []
+    trace = cfg.get("trace")
+    if trace is not None and trace.get("enabled", False):
+        # Opening the store here (before the model loads) turns a corrupt file or an unwritable folder
+        # into one UserError line up front; trace.sample and trace.retention apply to every run plugin user.
+        from mtpflow.traces.recorder import recorder_from_config
 
-
-def unknown_hooks(obj: object) -> list[str]:
-    """'name (did you mean X?)' for every hook implementation whose name is no hookspec (a misspelling)."""
-    known = set(hookspecs.specs())
-    out = []
-    for name in hooks_of(obj):
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            out.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return out
-
-
-@functools.lru_cache(maxsize=4)
-def _load_all(raw_selection: str | None) -> tuple[ThirdPartyPlugin, ...]:
-    wanted = selected_names(raw_selection)
-    seen: dict[str, ThirdPartyPlugin] = {}
-    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
-        dist = f"{ep.dist.name} {ep.dist.version}" if getattr(ep, "dist", None) else "unknown distribution"
-        if ep.name in seen:
-            if seen[ep.name].value != ep.value:
-                log.warning("mtpflow: warning: two distributions declare plugin %r; using %s, ignoring %s",
-                            ep.name, seen[ep.name].distribution, dist)
-            continue
-        if wanted is not None and ep.name not in wanted:
-            seen[ep.name] = ThirdPartyPlugin(ep.name, ep.value, dist, selected=False)
-            continue
-        seen[ep.name] = _load_one(ep, dist)
-    found = list(seen.values())
-    if wanted:
-        for name in sorted(wanted - set(seen)):
-            log.warning("mtpflow: warning: %s names %r, but no installed distribution declares it", SELECT_ENV, name)
-    found = _drop_shadowed_strategies(found)
-    for p in found:
-        if p.selected and p.error:
-            log.warning("mtpflow: warning: %s skipped: %s", p.label, p.error)
-    return tuple(found)
-
-
-def _load_one(ep, dist: str) -> ThirdPartyPlugin:
-    base = ThirdPartyPlugin(ep.name, ep.value, dist)
-
-    def broken(problem: str) -> ThirdPartyPlugin:
-        return ThirdPartyPlugin(ep.name, ep.value, dist, error=problem)
-
-    try:
-        obj = ep.load()
-    except Exception as exc:  # an import error, or any exception the module raises while importing
-        return broken(f"cannot import {ep.value}: {one_line(exc)}")
-    hooks = hooks_of(obj)
-    if misspelled := unknown_hooks(obj):
-        return broken(f"{ep.value} implements unknown hook {', '.join(misspelled)}")
-    instance = obj
-    if inspect.isclass(obj):
-        try:
-            instance = obj()
-        except Exception as exc:
-            return broken(f"cannot instantiate {ep.value}: {one_line(exc)}")
-    pm = new_manager()
-    try:
-        pm.register(instance, name=ep.name)
-    except (pluggy.PluginValidationError, ValueError) as exc:
-        return broken(one_line(exc))
-    dirs: list[Path] = []
-    try:
-        for found in pm.hook.mtpflow_strategy_dirs():
-            dirs.extend(Path(d) for d in (found or ()))
-    except Exception as exc:
-        return broken(f"hook mtpflow_strategy_dirs raised {one_line(exc)}")
-    for d in dirs:
-        if not d.is_dir():
-            return broken(f"mtpflow_strategy_dirs returned {d}, which is not a folder")
-        if d.name != "strategy":
-            return broken(f"mtpflow_strategy_dirs returned {d}: the folder must be named 'strategy'")
-    strategies = tuple(sorted({p.stem for d in dirs for p in d.glob("*.yaml")}))
-    return ThirdPartyPlugin(base.name, base.value, dist, obj=obj, hooks=hooks, strategy_dirs=tuple(dirs),
-                            strategies=strategies)
-
-
-def _drop_shadowed_strategies(found: list[ThirdPartyPlugin]) -> list[ThirdPartyPlugin]:
-    """A plugin may not replace a built-in strategy or another plugin's: Hydra would pick one silently."""
-    from mtpflow.conf import conf_dir
-
-    taken = {p.stem: "mtpflow" for p in (conf_dir() / "strategy").glob("*.yaml")}
-    out = []
-    for p in found:
-        if not p.strategies:
-            out.append(p)
-            continue
-        clashes = [f"{s} (already from {taken[s]})" for s in p.strategies if s in taken]
-        if clashes:
-            problem = f"ships strategies that already exist: {', '.join(clashes)}"
-            p = ThirdPartyPlugin(p.name, p.value, p.distribution, error=problem)
-        else:
-            taken.update({s: p.label for s in p.strategies})
-        out.append(p)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _distribution_of_package(top: str) -> str | None:
-    dists = importlib.metadata.packages_distributions().get(top) or []
-    return dists[0] if dists else None
-
-
-def one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+        factories.append(recorder_from_config(trace))
+    return tuple(factories)

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from mtpflow.errors import ConfigError, UserError
+from mtpflow.errors import ConfigError, UserError, check_k
 from mtpflow.plugins import hookimpl
-from mtpflow.strategies.k_selectors import AdaptiveK, check_k
+from mtpflow.strategies.k_selectors import AdaptiveK
 from mtpflow.types import DecodeState, StepRecord
 
 ARTIFACT = "domain_classifier.npz"

@@ -19,13 +19,12 @@ from dataclasses import replace
 import torch
 from transformers import DynamicCache
 
-from mtpflow.errors import ConfigError, UserError, check_range
+from mtpflow.errors import ConfigError, UserError, check_k, check_range
 from mtpflow.plugins import hookimpl
 from mtpflow.sampling import sample, target_probs
 from mtpflow.cost_model import (
     CostCurve, DecayedAcceptance, ProbeSchedule, check_costs, expected_tokens, load_verify_costs,
 )
-from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft
 
 

@@ -16,9 +16,8 @@ from mtpflow.cost_model import (  # noqa: F401 - the cost model's names, also re
     AUTO, COST_KS, CostCurve, device_name, DecayedAcceptance, ProbeSchedule, best_k, check_costs, cost_cache_path,
     expected_tokens, load_verify_costs, time_verify_forwards,
 )
-from mtpflow.errors import ConfigError
+from mtpflow.errors import ConfigError, check_k
 from mtpflow.plugins import hookimpl
-from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, StepRecord
 
 DEFAULT_DEVICE_K = {"A100": 4, "H100": 6, "H200": 6, "L40S": 2}

@@ -2,14 +2,9 @@
 shrinks after a rejection, within bounds."""
 from __future__ import annotations
 
-from mtpflow.errors import ConfigError, check_int
+from mtpflow.errors import ConfigError, check_k
 from mtpflow.plugins import hookimpl
-from mtpflow.loop import MAX_K
 from mtpflow.types import DecodeState, StepRecord
-
-
-def check_k(name: str, k) -> int:
-    return check_int(name, k, 0, MAX_K)
 
 
 class FixedK:

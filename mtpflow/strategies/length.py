@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mtpflow.errors import ConfigError
+from mtpflow.errors import ConfigError, check_k
 from mtpflow.plugins import hookimpl
-from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState
 
 MEASURES = ("request", "input")

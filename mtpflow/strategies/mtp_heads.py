@@ -11,14 +11,13 @@ from pathlib import Path
 
 import torch
 
-from mtpflow.errors import ConfigError, UserError
+from mtpflow.errors import ConfigError, UserError, check_k
 from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import graft_tree
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, KINDS, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, head_rows, load_heads,
     normalized_entropy,
 )
-from mtpflow.strategies.k_selectors import check_k
 from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
 from mtpflow.types import DecodeState, Draft, StepRecord
 

@@ -128,7 +128,7 @@ def generate_corpus(loaded, prompts: list[str], max_new_tokens: int, batch_size:
     """The model's greedy answers (prompt + answer ids, chat template applied), batched with left padding."""
     from tqdm import tqdm
 
-    from mtpflow.model import encode_prompt
+    from mtpflow.request import encode_prompt
 
     tokenizer, model = loaded.tokenizer, loaded.model
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else loaded.eos_token_ids[0]

@@ -6,11 +6,10 @@ from typing import Any
 
 import torch
 
-from mtpflow.errors import ConfigError, check_range
+from mtpflow.errors import ConfigError, check_k, check_range
 from mtpflow.plugins import hookimpl
 from mtpflow.kernels import ngram_continuation
 from mtpflow.cost_model import AUTO, CostCurve, DecayedAcceptance, check_costs, load_verify_costs
-from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 
 

@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 
-from mtpflow.errors import ConfigError, check_int, check_range
+from mtpflow.errors import ConfigError, check_int, check_k, check_range
 from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import calibrated_tree
-from mtpflow.strategies.k_selectors import check_k
 from mtpflow.types import DecodeState, Draft, StepRecord
 
 SOURCE = "token_recycling"

@@ -55,7 +55,7 @@ def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperatu
                  generator: torch.Generator, taps: tuple[int, ...] = ()) -> list[dict]:
     """Sample continuations for a batch of prompts (left-padded). Per sequence: ``tokens`` [L] (prompt +
     generated), ``hidden`` [L - 1, h] (fp16, the hidden state at each fed input), ``greedy`` [L - 1] (the
-    model's argmax after each input) and ``prompt_len``; with ``taps`` (``mtpflow.forward.hidden_taps``) also
+    model's argmax after each input) and ``prompt_len``; with ``taps`` (``mtpflow.types.hidden_taps``) also
     ``taps`` [L - 1, len(taps) * h] (fp16, those layers' outputs concatenated, as a decoding forward returns
     them; free here, every forward computes all layers' outputs anyway)."""
     from transformers import DynamicCache
@@ -138,7 +138,7 @@ def length_buckets(encoded: list[list[int]], batch_size: int, bucket: int = BUCK
 def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
     """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed,
     taps; checked by ``train_heads.check_settings``)."""
-    from mtpflow.forward import hidden_taps
+    from mtpflow.types import hidden_taps
 
     folder.mkdir(parents=True, exist_ok=True)
     spec = cfg.get("taps")

@@ -77,7 +77,7 @@ def second_turn_messages(item: dict, first_answer: str) -> list[dict]:
 def encode_messages(tokenizer, messages: list[dict], chat: bool, system_prompt=None) -> list[int]:
     """Token ids of a conversation as the pipelines would feed it: through the chat template (with the
     configured system prompt), or, without one (``chat=false``), the messages joined by blank lines."""
-    from mtpflow.model import encode_prompt
+    from mtpflow.request import encode_prompt
 
     if chat and getattr(tokenizer, "chat_template", None):
         if system_prompt:

@@ -380,7 +380,8 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     """Generate (or reuse) the data, train each kind in ``cfg.kinds``, save to ``cfg.out`` and return it (with
     ``kinds=[]``: only the data, and return its folder); ``loaded`` hands in a model already in memory (tests)."""
     from mtpflow.host import cache_dir
-    from mtpflow.model import encode_prompt, load_configured
+    from mtpflow.model import load_configured
+    from mtpflow.request import encode_prompt
     from mtpflow.tools.head_data import generate_data, generated_tokens, load_shards
 
     if cfg.get("export"):  # export=vllm: write the EAGLE heads (model.heads) as a vLLM draft checkpoint instead
@@ -445,7 +446,7 @@ def run(cfg: DictConfig, loaded=None) -> Path:
                 metrics["held_out_top1_per_step"] = unrolled_accuracy(module, crops, lm, 3)
             config = {**base, "kind": "eagle", "num_heads": 1, **layer_cfg}
         else:
-            from mtpflow.forward import hidden_taps
+            from mtpflow.types import hidden_taps
 
             if "taps" not in records[0]:
                 raise UserError(f"the training text in {folder} has no tapped layers: set data.taps")

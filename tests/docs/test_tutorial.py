@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpflow.plugins import manager
+from mtpflow.plugins import entry_points
 from mtpflow.config import available_strategies, compose
 
 if sys.version_info >= (3, 11):
@@ -53,15 +53,15 @@ def fake_install(project: Path, site: Path) -> list[str]:
     """What ``pip install -e .`` leaves behind that mtpflow looks at: a dist-info folder declaring the page's
     entry points. Returns the entry point names of group mtpflow."""
     meta = tomllib.loads((project / "pyproject.toml").read_text(encoding="utf-8"))["project"]
-    entry_points = meta["entry-points"]["mtpflow"]
+    declared = meta["entry-points"]["mtpflow"]
     info = site / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
     (info / "entry_points.txt").write_text(
-        "[mtpflow]\n" + "".join(f"{name} = {value}\n" for name, value in entry_points.items()))
-    (info / "top_level.txt").write_text("".join(f"{v.split(':')[0].split('.')[0]}\n" for v in entry_points.values()))
+        "[mtpflow]\n" + "".join(f"{name} = {value}\n" for name, value in declared.items()))
+    (info / "top_level.txt").write_text("".join(f"{v.split(':')[0].split('.')[0]}\n" for v in declared.values()))
     importlib.invalidate_caches()
-    return list(entry_points)
+    return list(declared)
 
 
 @pytest.fixture
@@ -76,12 +76,12 @@ def project(tmp_path, monkeypatch):
     names = fake_install(root, site)
     monkeypatch.syspath_prepend(str(root / "src"))
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setenv(manager.SELECT_ENV, ",".join(names))
+    monkeypatch.setenv(entry_points.SELECT_ENV, ",".join(names))
     monkeypatch.chdir(root)
     before = set(sys.modules)
-    manager.clear_cache()
+    entry_points.clear_cache()
     yield root
-    manager.clear_cache()
+    entry_points.clear_cache()
     for mod in set(sys.modules) - before:
         if mod.split(".")[0] == "mtpflow_bigram":
             del sys.modules[mod]
@@ -103,7 +103,7 @@ def test_the_pages_pyproject_is_valid_and_ships_the_strategy(project):
 
 
 def test_the_plugin_loads_and_its_strategy_resolves(project):
-    (plugin,) = [p for p in manager.third_party_plugins() if p.name == "bigram"]
+    (plugin,) = [p for p in entry_points.third_party_plugins() if p.name == "bigram"]
     assert plugin.error is None, plugin.error
     assert plugin.strategies == ("bigram",)
     assert "mtpflow_strategy_dirs" in plugin.hooks

@@ -117,7 +117,7 @@ def test_peer_rows_in_the_same_table(tiny_dir, tmp_path, fakes, capsys):
         ("vllm", 1, "none"), ("vllm", 1, "ngram"), ("vllm", 16, "none"),
         ("llamacpp", 1, "none"), ("llamacpp", 1, "prompt_lookup"), ("llamacpp", 16, "none")]
     tok = make_tiny_tokenizer()
-    from mtpflow.model import encode_prompt
+    from mtpflow.request import encode_prompt
 
     expected = [encode_prompt(tok, p, chat=False) for p in ("the quick brown fox the quick brown fox",
                                                            "def add(a, b): return a + b")]

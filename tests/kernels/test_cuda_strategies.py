@@ -34,12 +34,12 @@ def heads_dir(tmp_path_factory):
 @cuda
 @pytest.mark.parametrize("strategy", swept_strategies())
 def test_every_strategy_on_cuda_matches_hf(tiny_cuda, heads_dir, strategy, monkeypatch):
-    from mtpflow.plugins import manager
+    from mtpflow.plugins import entry_points
     from mtpflow.errors import UserError
 
     if strategy in PLUGIN_STRATEGIES:
-        monkeypatch.setenv(manager.SELECT_ENV, PLUGIN_STRATEGIES[strategy])
-        manager.clear_cache()
+        monkeypatch.setenv(entry_points.SELECT_ENV, PLUGIN_STRATEGIES[strategy])
+        entry_points.clear_cache()
     try:
         if strategy in CPU_ONLY:  # by design CPU only (mtpflow's native forward): refused with one line
             with pytest.raises(UserError, match=CPU_ONLY[strategy]) as info:
@@ -49,7 +49,7 @@ def test_every_strategy_on_cuda_matches_hf(tiny_cuda, heads_dir, strategy, monke
         stats = check_strategy(strategy, tiny_cuda, heads_dir)
         assert stats["new_tokens"] > 0
     finally:
-        manager.clear_cache()
+        entry_points.clear_cache()
 
 
 @cuda

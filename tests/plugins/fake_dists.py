@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mtpflow.plugins import manager
+from mtpflow.plugins import entry_points
 
 GOOD_STRATEGY = """\
 name: {name}
@@ -57,11 +57,11 @@ def fake_site(tmp_path, monkeypatch):
     site = tmp_path / "site"
     site.mkdir()
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.delenv(manager.SELECT_ENV, raising=False)
+    monkeypatch.delenv(entry_points.SELECT_ENV, raising=False)
     before = set(sys.modules)
-    manager.clear_cache()
+    entry_points.clear_cache()
     yield site
-    manager.clear_cache()
+    entry_points.clear_cache()
     for mod in set(sys.modules) - before:
         if mod.startswith("fakeplug"):
             del sys.modules[mod]

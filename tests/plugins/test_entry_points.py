@@ -10,7 +10,7 @@ import pytest
 from helpers import hf_greedy, make_pipeline
 from fake_dists import GOOD_STRATEGY, STRATEGY_DIRS_HOOK, fake_site, install_fake, stage_module  # noqa: F401
 from mtpflow import cli
-from mtpflow.plugins import manager
+from mtpflow.plugins import entry_points
 from mtpflow.config import available_strategies, compose
 from mtpflow.errors import PluginError, UserError
 
@@ -27,7 +27,7 @@ PROMPT = [5, 9, 17, 5, 9, 17, 5, 9]
 
 def fakes():
     """The fake plugins of this test (really installed ones, such as the example, may load too)."""
-    return [p for p in manager.third_party_plugins() if p.name.startswith("fakeplug")]
+    return [p for p in entry_points.third_party_plugins() if p.name.startswith("fakeplug")]
 
 
 def good_plugin(site, package="fakeplug_good", strategy="fakestrat", plugins="[]", extra_init=""):
@@ -56,7 +56,7 @@ def test_installed_plugin_adds_a_strategy_that_runs_losslessly(fake_site, tiny):
 def test_load_plugins_variable(fake_site, monkeypatch, selection, loaded):
     good_plugin(fake_site)
     if selection is not None:
-        monkeypatch.setenv(manager.SELECT_ENV, selection)
+        monkeypatch.setenv(entry_points.SELECT_ENV, selection)
     assert ("fakestrat" in available_strategies()) is loaded
     (plugin,) = fakes()
     assert plugin.selected is loaded
@@ -66,9 +66,9 @@ def test_load_plugins_variable(fake_site, monkeypatch, selection, loaded):
 
 
 def test_load_plugins_names_a_missing_plugin(fake_site, monkeypatch, caplog):
-    monkeypatch.setenv(manager.SELECT_ENV, "nosuchplugin")
+    monkeypatch.setenv(entry_points.SELECT_ENV, "nosuchplugin")
     with caplog.at_level(logging.WARNING, "mtpflow.plugins"):
-        manager.third_party_plugins()
+        entry_points.third_party_plugins()
     assert "'nosuchplugin', but no installed distribution declares it" in caplog.text
 
 
@@ -183,7 +183,7 @@ def on_step_end(record):
     STEPS.append(record.step)
 """
     good_plugin(fake_site, plugins="[fakeplug_good]", extra_init=counter)
-    module = manager.plugin_object("fakeplug_good")
+    module = entry_points.plugin_object("fakeplug_good")
     make_pipeline(tiny, "pld", "max_new_tokens=6")(prompt_ids=PROMPT)
     assert module.STEPS == []  # installed, loaded, but pld does not list it
     result = make_pipeline(tiny, "fakestrat", "max_new_tokens=6")(prompt_ids=PROMPT)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from helpers import hf_greedy, make_pipeline
-from mtpflow.plugins import manager
+from mtpflow.plugins import entry_points
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "mtpflow-plugin-example"
 PROMPT = "List three uses of a paper clip, one per line."
@@ -26,14 +26,14 @@ def example_loaded(monkeypatch):
     except importlib.metadata.PackageNotFoundError:
         pytest.fail("mtpflow-plugin-example is not installed: run ./install.sh "
                     "(pip install --no-build-isolation -e examples/mtpflow-plugin-example)")
-    monkeypatch.setenv(manager.SELECT_ENV, "example")
-    manager.clear_cache()
+    monkeypatch.setenv(entry_points.SELECT_ENV, "example")
+    entry_points.clear_cache()
     yield
-    manager.clear_cache()
+    entry_points.clear_cache()
 
 
 def run(*args: str, selection: str = "example", timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, manager.SELECT_ENV: selection}
+    env = {**os.environ, entry_points.SELECT_ENV: selection}
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -70,7 +70,7 @@ def test_listing_follows_a_strategy_built_on_another(tmp_path):
 def test_listing_says_when_the_variable_keeps_it_out(monkeypatch):
     from mtpflow.plugins.__main__ import describe, format_listing
 
-    monkeypatch.setenv(manager.SELECT_ENV, "")
+    monkeypatch.setenv(entry_points.SELECT_ENV, "")
     text = format_listing(describe())
     assert "MTPFLOW_LOAD_PLUGINS empty: none load" in text
     assert "example = mtpflow_plugin_example  [mtpflow-plugin-example 0.1.0]  not loaded" in text

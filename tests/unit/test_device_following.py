@@ -24,12 +24,12 @@ def heads_dir(tmp_path_factory):
 
 @pytest.mark.parametrize("strategy", swept_strategies())
 def test_every_strategy_on_cpu_matches_hf(tiny, heads_dir, strategy, monkeypatch):
-    from mtpflow.plugins import manager
+    from mtpflow.plugins import entry_points
     from mtpflow.errors import UserError
 
     if strategy in PLUGIN_STRATEGIES:
-        monkeypatch.setenv(manager.SELECT_ENV, PLUGIN_STRATEGIES[strategy])
-        manager.clear_cache()
+        monkeypatch.setenv(entry_points.SELECT_ENV, PLUGIN_STRATEGIES[strategy])
+        entry_points.clear_cache()
     try:
         try:
             stats = check_strategy(strategy, tiny, heads_dir)
@@ -39,7 +39,7 @@ def test_every_strategy_on_cpu_matches_hf(tiny, heads_dir, strategy, monkeypatch
             raise
         assert stats["new_tokens"] > 0
     finally:
-        manager.clear_cache()
+        entry_points.clear_cache()
 
 
 def test_the_sweep_drafts(tiny, heads_dir):

@@ -288,7 +288,7 @@ def test_vllm_loads_the_export_and_drafts_losslessly(tmp_path):
         pytest.skip(VLLM_SKIP)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mtpflow.model import encode_prompt
+    from mtpflow.request import encode_prompt
 
     out = export_vllm(SHIPPED_EAGLE, None, tmp_path / "draft")  # None: the default model's HF folder
     facts = json.loads((out / EXPORT_NAME).read_text())

@@ -10,7 +10,7 @@ import torch
 
 from helpers import hf_greedy, make_pipeline, tiny_loaded
 from mtpflow.errors import UserError
-from mtpflow.forward import hidden_taps
+from mtpflow.types import hidden_taps
 from mtpflow.strategies.head_modules import Eagle3Drafter, load_heads, unroll
 from test_heads_lossless import one_thread, prompts, random_heads  # noqa: F401 (fixture)
 

@@ -8,7 +8,7 @@ import torch
 
 from helpers import hf_greedy, make_pipeline, tiny_loaded
 from mtpflow.errors import UserError
-from mtpflow.forward import hidden_taps
+from mtpflow.types import hidden_taps
 from mtpflow.strategies.head_modules import Eagle3Drafter, EagleDrafter, MedusaHeads, load_heads, save_heads
 
 
@@ -130,7 +130,7 @@ def test_save_load_round_trip(tiny, tmp_path):
 @pytest.mark.default_model
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3", "mtp_heads", "mtp_tree"])
 def test_shipped_heads_match_hf_greedy(default_loaded, kind):
-    from mtpflow.model import encode_prompt
+    from mtpflow.request import encode_prompt
 
     pipe = make_pipeline(default_loaded, kind, "max_new_tokens=48", "strategy.prune.0.costs=null")  # every tree verified
     mal = []

@@ -39,17 +39,17 @@ def test_tools_live_in_their_own_subpackage():
 
 
 def test_the_plugin_machinery_lives_in_one_package():
-    """Hook specs, the manager (entry points, guards), the core defaults and the listing are ``mtpflow.plugins``;
-    the top-level modules they once were are gone. ``mtpflow/hookspecs.py`` stays only as the stable import path
-    of the markers for plugins written against it: re-exports, no hook of its own."""
+    """Hook specs, third-party plugins (entry points), the manager, the core defaults and the listing are
+    ``mtpflow.plugins``; the top-level modules they once were are gone. ``mtpflow/hookspecs.py`` stays only as the
+    stable import path of the markers for plugins written against it: re-exports, no hook of its own."""
     import ast
 
     import mtpflow.hookspecs
     import mtpflow.plugins
 
     root = Path(mtpflow.__file__).parent
-    assert {p.name for p in (root / "plugins").glob("*.py")} >= {"__init__.py", "hookspecs.py", "manager.py",
-                                                                 "defaults.py", "__main__.py"}
+    assert {p.name for p in (root / "plugins").glob("*.py")} >= {"__init__.py", "hookspecs.py", "entry_points.py",
+                                                                 "manager.py", "defaults.py", "__main__.py"}
     top_level = {p.stem for p in root.glob("*.py")}
     assert not top_level & {"plugins", "plugin_listing", "plugin_hookspecs", "runplugins", "thirdparty", "defaults"}
     alias = ast.parse((root / "hookspecs.py").read_text()).body
@@ -189,3 +189,39 @@ def test_the_kernels_package_holds_only_the_draft_tree_ops():
     assert not list(root.glob("*.c")) and not list(root.glob("*.h"))
     for gone in ("native_linear", "native_reference", "int8_reference", "certified_head", "openmp"):
         assert not (root / f"{gone}.py").exists(), gone
+
+
+def imported_by(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every mtpflow module ``name`` imports, directly or through what it imports."""
+    seen, todo = set(), [name]
+    while todo:
+        for dep in graph[todo.pop()] - seen:
+            seen.add(dep)
+            todo.append(dep)
+    return seen
+
+
+def test_config_reads_plugins_and_no_plugin_module_reads_config():
+    """The config asks the plugins for their strategy folders; no module of ``mtpflow.plugins`` imports the
+    config (nor anything that does), and the config builds no stage (no ``mtpflow.strategies`` module)."""
+    graph = import_graph()
+    plugin_modules = [m for m in graph if m == "mtpflow.plugins" or m.startswith("mtpflow.plugins.")]
+    assert len(plugin_modules) >= 5, plugin_modules
+    for name in plugin_modules:
+        assert "mtpflow.config" not in imported_by(graph, name), name
+    assert any(d.startswith("mtpflow.plugins") for d in graph["mtpflow.config"])
+    assert not [d for d in graph["mtpflow.config"] if d.startswith("mtpflow.strategies")]
+
+
+def test_checking_a_request_needs_no_forward_backend_or_strategy():
+    graph = import_graph()
+    reached = imported_by(graph, "mtpflow.request")
+    below = sorted(m for m in reached if m == "mtpflow.forward" or m.startswith(("mtpflow.backends",
+                                                                                   "mtpflow.strategies")))
+    assert below == [], below
+    assert "mtpflow.request" in graph["mtpflow.engine"]
+
+
+def test_the_reachability_checks_see_what_they_guard():
+    graph = {"mtpflow.request": {"mtpflow.errors"}, "mtpflow.errors": {"mtpflow.forward"}, "mtpflow.forward": set()}
+    assert imported_by(graph, "mtpflow.request") == {"mtpflow.errors", "mtpflow.forward"}

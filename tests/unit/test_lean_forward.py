@@ -14,6 +14,7 @@ from mtpflow.backends.hf import HFBackend
 from mtpflow.backends.native import cpu as native_cpu
 from mtpflow.backends.native import kernel, products
 from mtpflow.kv_cache import BatchCache, KVPool, SequenceKV
+from mtpflow.types import hidden_taps
 
 
 @pytest.fixture()
@@ -126,13 +127,13 @@ def test_greedy_through_the_lean_forward_equals_hf(tiny):
 
 def test_hidden_taps_name_layers_and_reject_bad_values():
     model = make_tiny_model(32, layers=8)
-    assert lean.hidden_taps(model, False) == () and lean.hidden_taps(model, True) == (-1,)
-    assert lean.hidden_taps(model, "eagle3") == (2, 4, 5)  # low, middle, high of 8 layers
-    assert lean.hidden_taps(make_tiny_model(32, layers=2), "eagle3") == (0,)
-    assert lean.hidden_taps(model, [1, -1]) == (1, -1)
+    assert hidden_taps(model, False) == () and hidden_taps(model, True) == (-1,)
+    assert hidden_taps(model, "eagle3") == (2, 4, 5)  # low, middle, high of 8 layers
+    assert hidden_taps(make_tiny_model(32, layers=2), "eagle3") == (0,)
+    assert hidden_taps(model, [1, -1]) == (1, -1)
     for bad in ("eagle4", [7], [-2], []):
         with pytest.raises(ValueError, match="needs_hidden_states"):
-            lean.hidden_taps(model, bad)
+            hidden_taps(model, bad)
 
 
 @torch.inference_mode()
@@ -164,7 +165,7 @@ def test_batch_verify_gives_each_sequence_its_own_taps(backend):
     else:
         backend = HFBackend(model)
     pool = KVPool(model, max_slots=2)
-    taps = [(-1,), lean.hidden_taps(model, "eagle3")]
+    taps = [(-1,), hidden_taps(model, "eagle3")]
     prompts = [torch.tensor([3, 8, 1, 40]), torch.tensor([7, 7, 21, 5, 9, 60])]
     chain = Draft(tokens=torch.tensor([12, 30]), parents=torch.tensor([-1, 0]))
     batched = [Target(backend, need_hidden=t, pool=pool) for t in taps]

@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from mtpflow.plugins import manager
+from mtpflow.plugins import entry_points
 from mtpflow.errors import ConfigError
 from mtpflow.types import DecodeState, SamplingParams
 from mtpflow_plugin_example import suffix
@@ -16,12 +16,12 @@ from mtpflow_plugin_example.suffix import SuffixProposer
 
 @pytest.fixture(autouse=True)
 def fresh_histories(monkeypatch):
-    monkeypatch.setenv(manager.SELECT_ENV, "example")  # load this plugin whatever the caller's setting
-    manager.clear_cache()
+    monkeypatch.setenv(entry_points.SELECT_ENV, "example")  # load this plugin whatever the caller's setting
+    entry_points.clear_cache()
     suffix.HISTORIES.clear()
     yield
     suffix.HISTORIES.clear()
-    manager.clear_cache()
+    entry_points.clear_cache()
 
 
 class Context:  # the parts of mtpflow.loop.RunContext the proposer reads
@@ -79,7 +79,7 @@ def test_bad_parameters_are_config_errors(kwargs):
 def test_entry_point_and_strategy_are_installed():
     eps = importlib.metadata.entry_points(group="mtpflow")
     assert any(ep.name == "example" and ep.value == "mtpflow_plugin_example" for ep in eps)
-    (plugin,) = [p for p in manager.third_party_plugins() if p.name == "example"]
+    (plugin,) = [p for p in entry_points.third_party_plugins() if p.name == "example"]
     assert plugin.error is None and plugin.strategies == ("suffix",)
     from mtpflow.config import compose
 
