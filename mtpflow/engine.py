@@ -137,27 +137,14 @@ class RequestHandle:
         hold = max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
         return text[: len(text) - hold] if hold else text
 
-    def _pieces(self, tokens: list[int], printed: int, final: bool) -> tuple[str, int]:
-        text = self._text(tokens, final)
-        return (text[printed:], len(text)) if len(text) > printed else ("", printed)
-
     def stream(self) -> Iterator[str]:
         """Text pieces as tokens commit. Leaving the loop early (break, an exception) cancels the request."""
-        seen, printed, finished = 0, 0, False
+        cursor, finished = _PieceCursor(self), False
         try:
-            while True:
+            while not finished:
                 with self._cond:
-                    self._cond.wait_for(lambda: len(self._tokens) > seen or self.done)
-                    tokens, done = list(self._tokens), self.done
-                seen = len(tokens)
-                piece, printed = self._pieces(tokens, printed, final=done)
-                if done:
-                    if self._error is not None:
-                        raise self._error
-                    if piece:
-                        yield piece
-                    finished = True
-                    return
+                    self._cond.wait_for(cursor.ready)
+                piece, finished = cursor.take()
                 if piece:
                     yield piece
         finally:
@@ -178,24 +165,16 @@ class RequestHandle:
     async def astream(self):
         """``stream()`` for asyncio code: an async iterator of text pieces; closing it early cancels."""
         event = self._attach()
-        seen, printed, finished = 0, 0, False
+        cursor, finished = _PieceCursor(self), False
         try:
-            while True:
+            while not finished:
                 with self._cond:
-                    tokens, done = list(self._tokens), self.done
-                if len(tokens) == seen and not done:
+                    ready = cursor.ready()
+                if not ready:
                     await event.wait()
                     event.clear()
                     continue
-                seen = len(tokens)
-                piece, printed = self._pieces(tokens, printed, final=done)
-                if done:
-                    if self._error is not None:
-                        raise self._error
-                    if piece:
-                        yield piece
-                    finished = True
-                    return
+                piece, finished = cursor.take()
                 if piece:
                     yield piece
         finally:
@@ -212,6 +191,33 @@ class RequestHandle:
 
     def _detach(self, event) -> None:
         self._async_events = [(lp, ev) for lp, ev in self._async_events if ev is not event]
+
+
+class _PieceCursor:
+    """How far a reader of a handle's text has got: ``stream`` and ``astream`` differ only in how they wait for
+    ``ready``, and share what a step's tokens become (``take``)."""
+
+    def __init__(self, handle: RequestHandle):
+        self.handle = handle
+        self.seen = 0  # tokens already turned into text
+        self.printed = 0  # characters of that text already handed out
+
+    def ready(self) -> bool:
+        """New tokens or the end (call under the handle's condition)."""
+        return len(self.handle._tokens) > self.seen or self.handle.done
+
+    def take(self) -> tuple[str, bool]:
+        """(the text not handed out yet, whether the request has ended); a failed request raises its error."""
+        handle = self.handle
+        with handle._cond:
+            tokens, done = list(handle._tokens), handle.done
+        if done and handle._error is not None:
+            raise handle._error
+        self.seen = len(tokens)
+        text = handle._text(tokens, final=done)
+        piece = text[self.printed:]
+        self.printed = max(self.printed, len(text))
+        return piece, done
 
 
 class Engine:
