@@ -5,7 +5,6 @@ with one line."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 from mtpflow.chat import format_stats
@@ -44,57 +43,49 @@ def read_stdin_prompt() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
+    from mtpflow.errors import run_command
+
+    return run_command("mtpflow", decode, argv, USAGE)
+
+
+def decode(argv: list[str]) -> int:
+    """The command itself: compose, check, then decode the prompt or start the chat."""
+    from mtpflow.config import available_strategies, compose, read_prompt, validate
     from mtpflow.errors import UserError
+    from mtpflow.host import check_named_profile
 
-    try:
-        from mtpflow.config import available_strategies, compose, read_prompt, validate
-        from mtpflow.host import check_named_profile
-
-        if "--strategies" in argv:
-            print("\n".join(available_strategies()))
-            return 0
-        cfg = compose(argv)
-        validate(cfg)
-        check_named_profile(cfg.get("profile"))  # a damaged or foreign tuning profile: one line, before the load
-        if cfg.get("prompt") is None and not cfg.get("prompt_file"):
-            if stdin_is_terminal():
-                if cfg.output == "json":
-                    raise UserError("output=json needs a prompt: prompt=\"...\", prompt_file=PATH or text piped "
-                                    "on standard input")
-                from mtpflow.chat import run_chat
-
-                return run_chat(cfg, argv)
-            prompt = read_stdin_prompt()
-        else:
-            prompt = read_prompt(cfg)  # fail on an empty or unreadable prompt before the model loads
-        from mtpflow.api import Pipeline
-        from mtpflow.plugins.manager import default_run_plugins
-
-        pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
-        if cfg.output == "json":
-            result = pipe(prompt)
-            doc = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats,
-                   "strategy": pipe.strategy_name, "model": pipe.loaded.model_id}
-            print(json.dumps(doc, ensure_ascii=False))
-            return 0
-        for piece in pipe.stream(prompt):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
-        result = pipe.last_result
-        sys.stdout.write("\n\n")
-        print(f"[{pipe.strategy_name} on {pipe.loaded.model_id}]")
-        print(format_stats(result.stats))
+    if "--strategies" in argv:
+        print("\n".join(available_strategies()))
         return 0
-    except UserError as exc:
-        print(f"mtpflow: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nmtpflow: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+    cfg = compose(argv)
+    validate(cfg)
+    check_named_profile(cfg.get("profile"))  # a damaged or foreign tuning profile: one line, before the load
+    if cfg.get("prompt") is None and not cfg.get("prompt_file"):
+        if stdin_is_terminal():
+            if cfg.output == "json":
+                raise UserError("output=json needs a prompt: prompt=\"...\", prompt_file=PATH or text piped "
+                                "on standard input")
+            from mtpflow.chat import run_chat
+
+            return run_chat(cfg, argv)
+        prompt = read_stdin_prompt()
+    else:
+        prompt = read_prompt(cfg)  # fail on an empty or unreadable prompt before the model loads
+    from mtpflow.api import Pipeline
+    from mtpflow.plugins.manager import default_run_plugins
+
+    pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
+    if cfg.output == "json":
+        result = pipe(prompt)
+        doc = {"text": result.text, "token_ids": result.token_ids, "stats": result.stats,
+               "strategy": pipe.strategy_name, "model": pipe.loaded.model_id}
+        print(json.dumps(doc, ensure_ascii=False))
+        return 0
+    for piece in pipe.stream(prompt):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    result = pipe.last_result
+    sys.stdout.write("\n\n")
+    print(f"[{pipe.strategy_name} on {pipe.loaded.model_id}]")
+    print(format_stats(result.stats))
+    return 0

@@ -5,7 +5,9 @@ with one line naming the stage and the exception; its traceback goes to the ``mt
 trace. ``MTPFLOW_DEBUG=1`` re-raises the original exception instead (``debug_enabled``).
 """
 import os
+import sys
 import traceback
+from typing import Callable
 
 DEBUG_ENV = "MTPFLOW_DEBUG"
 
@@ -76,6 +78,29 @@ def writable_folder(path) -> None:
 class PluginError(UserError):
     """A third-party plugin is broken: it cannot be imported, registers a hook that does not exist, or one of
     its hooks raised. The message names the plugin."""
+
+
+def run_command(prog: str, run: Callable[[list[str]], int], argv: list[str] | None = None, usage: str | None = None,
+                interrupted: str = "interrupted") -> int:
+    """The frame every ``python -m mtpflow...`` command shares around ``run(argv)`` (which returns the exit
+    status): ``-h``/``--help`` prints ``usage`` (when given) and exits 0; a ``UserError`` is one line
+    ``prog: error: ...`` and exit 2; Ctrl-C one line ``prog: interrupted`` and exit 130; a reader that closed
+    standard output (``| head``) a quiet exit 1."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if usage is not None and any(a in ("-h", "--help") for a in argv):
+            print(usage)
+            return 0
+        return run(argv)
+    except UserError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"\n{prog}: {interrupted}", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def debug_enabled() -> bool:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from mtpflow.errors import ConfigError, UserError, check_int, writable_folder
+from mtpflow.errors import ConfigError, UserError, check_int, run_command, writable_folder
 
 DEFAULTS = {
     "mode": "serve",
@@ -234,16 +234,18 @@ def write_manifest(out: Path, argv: list[str], opts, overrides: list[str], serve
 
 
 def main(argv: list[str]) -> int:
+    return run_command("mtpflow.bench", bench_serve, argv)
+
+
+def bench_serve(argv: list[str]) -> int:
+    """The command itself: check the options, start the server, load it level by level, write the results."""
     try:
         opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(list(argv)))
     except Exception as exc:
-        print(f"mtpflow.bench: error: bad arguments: {exc}".splitlines()[0], file=sys.stderr)
-        return 2
+        raise UserError(f"bad arguments: {exc}".splitlines()[0]) from None
     unknown = set(opts.keys()) - set(DEFAULTS)
     if unknown:
-        print(f"mtpflow.bench: error: unknown option(s) for mode=serve {', '.join(sorted(unknown))}; known: "
-              f"{', '.join(DEFAULTS)}", file=sys.stderr)
-        return 2
+        raise UserError(f"unknown option(s) for mode=serve {', '.join(sorted(unknown))}; known: {', '.join(DEFAULTS)}")
     out = Path(str(opts.out)).expanduser()
     server, tmp, done = None, None, False
     try:
@@ -294,12 +296,6 @@ def main(argv: list[str]) -> int:
         print(f"\nwrote {out / 'serve_bench.csv'}, {out / 'serve_bench.png'} and {path}")
         done = True
         return 0
-    except UserError as exc:
-        print(f"mtpflow.bench: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nmtpflow.bench: interrupted", file=sys.stderr)
-        return 130
     finally:
         if server is not None:
             server.stop()

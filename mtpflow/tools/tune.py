@@ -110,31 +110,26 @@ def format_report(result: dict, backend, model_id: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if any(a in ("-h", "--help") for a in argv):
-        print(USAGE)
-        return 0
-    from mtpflow.errors import UserError
+    from mtpflow.errors import run_command
 
-    try:
-        from mtpflow.config import compose, validate
-        from mtpflow.cost_model import profile_setting
-        from mtpflow.engine import Engine
-        from mtpflow.host import check_named_profile
+    return run_command("mtpflow.tune", measure, argv, USAGE,
+                       interrupted="interrupted (the profile keeps what was measured before)")
 
-        cfg = compose(argv)
-        validate(cfg)
-        check_named_profile(profile_setting(cfg))  # a damaged or foreign named profile: one line, before the load
-        with Engine(cfg, run_plugins=()) as engine:
-            result = tune(engine, cfg)
-            print(format_report(result, engine.backend, engine.loaded.model_id))
-        return 0
-    except UserError as exc:
-        print(f"mtpflow.tune: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nmtpflow.tune: interrupted (the profile keeps what was measured before)", file=sys.stderr)
-        return 130
+
+def measure(argv: list[str]) -> int:
+    """The command itself: compose and check the config, then tune the engine it builds."""
+    from mtpflow.config import compose, validate
+    from mtpflow.cost_model import profile_setting
+    from mtpflow.engine import Engine
+    from mtpflow.host import check_named_profile
+
+    cfg = compose(argv)
+    validate(cfg)
+    check_named_profile(profile_setting(cfg))  # a damaged or foreign named profile: one line, before the load
+    with Engine(cfg, run_plugins=()) as engine:
+        result = tune(engine, cfg)
+        print(format_report(result, engine.backend, engine.loaded.model_id))
+    return 0
 
 
 if __name__ == "__main__":

@@ -124,3 +124,24 @@ def test_check_int_takes_whole_numbers_in_any_spelling():
             check_int("n", bad, 0)
     with pytest.raises(ConfigError, match=r"in \[0, 16\], got 17"):
         check_int("n", 17, 0, 16)
+
+
+def test_every_command_shares_one_frame(capsys):
+    """``mtpflow.errors.run_command``, around python -m mtpflow, mtpflow.tune and the serve benchmark: help,
+    a user's mistake as one line (exit 2), Ctrl-C as one line (exit 130); other errors are bugs and propagate."""
+    from mtpflow.errors import ConfigError, run_command
+
+    def fails(error):
+        def run(argv):
+            raise error
+        return run
+
+    assert run_command("mtpflow.x", fails(AssertionError()), ["--help"], "usage: x") == 0
+    assert capsys.readouterr().out == "usage: x\n"
+    assert run_command("mtpflow.x", lambda argv: len(argv), ["a", "b", "c"]) == 3  # the command's own status
+    assert run_command("mtpflow.x", fails(ConfigError("k must be in [0, 64]")), ["k=99"]) == 2
+    assert capsys.readouterr().err == "mtpflow.x: error: k must be in [0, 64]\n"
+    assert run_command("mtpflow.x", fails(KeyboardInterrupt()), [], interrupted="interrupted (kept)") == 130
+    assert capsys.readouterr().err == "\nmtpflow.x: interrupted (kept)\n"
+    with pytest.raises(ZeroDivisionError):
+        run_command("mtpflow.x", fails(ZeroDivisionError()), [])
