@@ -2,6 +2,9 @@
 the earlier outputs of this process (and, optionally, this request's own prompt and output), merges what
 followed the longest matches into a tree weighted by frequency, and drafts its most probable nodes. Repeated or
 similar requests (agents, templated answers) get long accepted drafts; no weights, no extra forward.
+
+The index and the frequency tree are mtpflow's own (``mtpflow.suffix_cache``): a plugin builds on the core's
+public pieces rather than copying them; the history's policy (``history.py``) and the drafting rule are its own.
 """
 from __future__ import annotations
 
@@ -10,9 +13,10 @@ import math
 import torch
 from mtpflow.errors import ConfigError, check_range
 from mtpflow.plugins import hookimpl
+from mtpflow.suffix_cache import Occurrence, TokenIndex, frequency_tree
 from mtpflow.types import DecodeResult, DecodeState, Draft, StepRecord
 
-from mtpflow_plugin_example.suffix_index import HistoryRegistry, Match, SuffixIndex, continuation_tree
+from mtpflow_plugin_example.history import HistoryRegistry
 
 SOURCE = "suffix"
 # Every run in the process shares these histories: learning from earlier outputs is the point of the proposer.
@@ -44,7 +48,7 @@ class SuffixProposer:
         self.history_name = str(history)
         self.max_outputs = _positive_int("max_outputs", max_outputs)
         self._history = None  # the process-wide OutputHistory for this run's model (set at run start)
-        self._live: SuffixIndex | None = None  # this request: prompt + output so far
+        self._live: TokenIndex | None = None  # this request: prompt + output so far
         self._live_id = 0
         self._prompt_tail: list[int] = []
         self._counts = {"suffix_drafts": 0, "suffix_draft_tokens": 0, "suffix_accepted_tokens": 0}
@@ -57,31 +61,30 @@ class SuffixProposer:
         # the chat template's assistant header, shared by every request)
         self._prompt_tail = context.prompt_tokens[-self.max_match:].tolist()
         if self.use_request:
-            self._live = SuffixIndex(self.min_match)
+            self._live = TokenIndex(self.min_match)
             self._live_id = self._live.add([])
         return {"suffix_history_outputs": len(self._history)}
 
     @hookimpl
     def propose(self, state: DecodeState, k: int) -> Draft:
         tail = state.tokens[-self.max_match:].tolist()
-        found: list[Match] = []
+        found: list[Occurrence] = []  # each with up to k following tokens; cut to the draft depth below
         if self._history is not None:
-            found += self._history.matches(tail, self.max_match)
+            found += self._history.matches(tail, self.max_match, k)
         if self._live is not None:
             seq = self._live.sequences[self._live_id]
             self._live.extend(self._live_id, state.tokens[len(seq):].tolist())
-            live = self._live.matches(tail, self.max_match)
+            live = self._live.occurrences(tail, self.max_match, k)
             if state.context_window is not None:  # honour the strategy's sliding window on this request's text
-                live = [m for m in live if m.end - m.length >= len(seq) - state.context_window]
+                live = [o for o in live if o.end - o.length >= len(seq) - state.context_window]
             found += live
         if not found:
             return Draft.empty(SOURCE)
-        best = max(m.length for m in found)
+        best = max(o.length for o in found)
         depth = min(k, max(1, math.floor(self.spec_factor * best)))
-        # newest first: a recent output is the likeliest to repeat
-        chosen = [m for m in found if m.length == best][: self.max_candidates]
-        continuations = [list(m.sequence[m.end:m.end + depth]) for m in chosen]
-        tree = continuation_tree(continuations, self.max_nodes, self.min_prob)
+        # newest first: a recent output is the likeliest to repeat; every continuation counts once
+        chosen = [o for o in found if o.length == best][: self.max_candidates]
+        tree = frequency_tree([(o.continuation[:depth], 1) for o in chosen], self.max_nodes, self.min_prob)
         if not tree.tokens:
             return Draft.empty(SOURCE)
         return Draft(
