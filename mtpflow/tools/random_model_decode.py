@@ -3,8 +3,8 @@ machines have no network, and the embedded GGUF is too big to carry): kernels=to
 SDPA vs mtpflow, strategies baseline and pld, on repetitive prompt ids so prompt lookup drafts. Checks every
 setting gives the same tokens as the first one (and as HF ``generate``) and writes a markdown table.
 
-    python scripts/gpu_decode_random.py --out decode.md            # on CUDA: SmolLM2-135M shape, bf16
-    python scripts/gpu_decode_random.py --tiny --settings torch-sdpa  # quick CPU smoke run
+    python -m mtpflow.tools.random_model_decode --out decode.md             # on CUDA: SmolLM2-135M shape, bf16
+    python -m mtpflow.tools.random_model_decode --tiny --settings torch-sdpa  # quick CPU smoke run
 
 Token ids go in directly; the tokenizer is a word-level one over names ``t0 .. t{V-1}`` (any id decodes).
 """
@@ -13,13 +13,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def id_tokenizer(vocab: int):
@@ -62,18 +59,20 @@ def prompt_ids(vocab: int, seed: int) -> list[int]:
     return ids
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(prog="python -m mtpflow.tools.random_model_decode",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="decode_random.md")
     parser.add_argument("--tiny", action="store_true", help="2-layer hidden-64 model (CPU smoke run)")
     parser.add_argument("--max-new", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--settings", default="torch-sdpa,triton-sdpa,torch-mtpflow,triton-mtpflow")
     parser.add_argument("--strategies", default="baseline,pld")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.max_new < 1 or args.repeats < 1:
+        parser.error("--max-new and --repeats must be >= 1")
 
-    from helpers import make_pipeline
-
+    from mtpflow.api import pipeline
     from mtpflow.kernels.hf_attention import register
 
     cuda = torch.cuda.is_available()
@@ -127,7 +126,7 @@ def main() -> None:
         backend, attn = setting.split("-")
         loaded.model.set_attn_implementation(attn)
         for strategy in args.strategies.split(","):
-            pipe = make_pipeline(loaded, strategy, f"max_new_tokens={args.max_new}", f"kernels={backend}", "trace=off")
+            pipe = pipeline(strategy, [f"max_new_tokens={args.max_new}", f"kernels={backend}", "trace=off"], loaded=loaded)
             pipe(prompt_ids=ids)  # warm-up (compiles the Triton kernels on first use)
             runs = []
             for _ in range(args.repeats):
@@ -152,6 +151,7 @@ def main() -> None:
             write_table(final=False)
 
     write_table(final=True)
+    return rows
 
 
 if __name__ == "__main__":
