@@ -53,24 +53,6 @@ def measurement_path(kind: str, *key) -> Path:
     return cache_dir() / kind / f"{digest}.json"
 
 
-def read_measurement(path: Path) -> dict | None:
-    """A cached measurement, or None when missing or damaged (then it is measured again)."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_measurement(path: Path, data: dict) -> None:
-    """Store a measurement atomically (a concurrent reader never sees half a file); an unwritable cache only
-    means measuring again next time."""
-    try:
-        _write_json(Path(path), data)
-    except OSError:
-        pass
-
-
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")

@@ -65,9 +65,6 @@ class TokenIndex:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def num_tokens(self) -> int:
-        return sum(len(s) for s in self.sequences.values())
-
     def nbytes(self) -> int:
         """Bytes this index holds: its dictionaries' tables plus every key, array and weight they point to
         (``sys.getsizeof``, kept up to date on every change)."""

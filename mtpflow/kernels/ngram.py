@@ -1,8 +1,8 @@
 """N-gram match over the token history for prompt lookup: the tokens that followed the latest earlier
 occurrence of the longest matching suffix n-gram. The torch reference is PLD's original loop over n (fastest
-on a CPU for histories of a few hundred tokens); ``best_match_key`` is the same answer computed the way the
-Triton kernel does it (per end position, how many tokens before it equal the context's suffix, capped at
-``max_ngram``; the longest match wins, then the latest), tested equal to the loop."""
+on a CPU for histories of a few hundred tokens); the Triton kernel scores every end position at once (how
+many tokens before it equal the context's suffix, capped at ``max_ngram``; the longest match wins, then the
+latest) and is tested equal to the loop."""
 from __future__ import annotations
 
 import torch
@@ -25,33 +25,8 @@ def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngra
     return context.new_zeros(0)
 
 
-def best_match_key(context: torch.Tensor, max_ngram: int) -> int:
-    """max over end positions e < length - 1 of min(match length, max_ngram) * length + e, or -1.
-
-    The match length at e counts i = 0, 1, ... while context[e - i] == context[length - 1 - i]; the key orders
-    by length first and by recency second.
-    """
-    length = int(context.numel())
-    if length < 2 or max_ngram < 1:
-        return -1
-    ends = torch.arange(length - 1, device=context.device)
-    still = torch.ones(length - 1, dtype=torch.bool, device=context.device)
-    match_len = torch.zeros(length - 1, dtype=torch.long, device=context.device)
-    for i in range(min(max_ngram, length - 1)):
-        pos = ends - i
-        hit = context[pos.clamp(min=0)] == context[length - 1 - i]
-        still = still & (pos >= 0) & hit
-        match_len += still.long()
-    keys = torch.where(match_len > 0, match_len * length + ends, -1)
-    return int(keys.max())
-
-
-def ngram_continuation_vectorised(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
-    """The kernel's algorithm in torch (``best_match_key``); equal to the reference."""
-    return _follow(context, best_match_key(context, max_ngram), min_ngram, k)
-
-
 def _follow(context: torch.Tensor, key: int, min_ngram: int, k: int) -> torch.Tensor:
+    """The continuation after the match the kernel's key names (length * len(context) + end; -1: none)."""
     length = int(context.numel())
     if key < 0 or key // length < min_ngram or k <= 0:
         return context.new_zeros(0)

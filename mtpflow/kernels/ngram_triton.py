@@ -25,7 +25,9 @@ def ngram_match_kernel(context_ptr, key_ptr, length, max_ngram, BLOCK: tl.conste
 
 
 def best_match_key_triton(context: torch.Tensor, max_ngram: int) -> int:
-    """Same contract as ``ngram.best_match_key``."""
+    """max over end positions e < length - 1 of min(match length, max_ngram) * length + e, or -1 when nothing
+    matches: the match length at e counts i = 0, 1, ... while context[e - i] == context[length - 1 - i], so
+    the key orders by length first and by recency second."""
     length = int(context.numel())
     if length < 2 or max_ngram < 1:
         return -1

@@ -1,10 +1,7 @@
 """PFS (path feasibility score) scoring and pruning of a draft tree: the product of draft probabilities along
 each root-to-node path, then keep the nodes whose PFS is at least the threshold, at most ``budget`` of them
 (highest PFS first, ties to the lower node index, so a parent always ranks before its children).
-
-``pfs_prune`` works on a tree whose per-node probabilities are known (the pruner's hot path);
-``pfs_tree`` starts from the draft logits of each position: softmax, top-k per position, the tree given as a
-template of (parent, top-k choice) per node, then the same products, threshold and budget.
+``pfs_prune`` works on a tree whose per-node probabilities are known (the pruner's hot path).
 """
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ def path_products(node_probs: torch.Tensor, parents: torch.Tensor) -> torch.Tens
     has_parent = par >= 0
     gather_from = par.clamp(min=0)
     pfs = probs.clone()
-    for _ in range(int(template_depths(parents).max()) - 1 if parents.numel() else 0):
+    for _ in range(int(node_depths(parents).max()) - 1 if parents.numel() else 0):
         pfs = torch.where(has_parent, pfs[gather_from] * probs, probs)
     return pfs
 
@@ -53,43 +50,9 @@ def pfs_prune(node_probs: torch.Tensor, parents: torch.Tensor, threshold: float,
     return pfs_prune_triton(node_probs, parents, threshold, budget)
 
 
-def template_depths(parents: torch.Tensor) -> torch.Tensor:
+def node_depths(parents: torch.Tensor) -> torch.Tensor:
+    """[num_nodes] depth of each node (1 for children of the root), parents in topological order."""
     depth: list[int] = []
     for p in parents.tolist():
         depth.append(1 if p < 0 else depth[p] + 1)
     return torch.tensor(depth, dtype=torch.long)
-
-
-def topk_per_position_reference(draft_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(probs [positions, k] float32, tokens [positions, k] long): softmax, then the k most likely tokens of
-    each position (ties to the lower token id)."""
-    logits = draft_logits.float()
-    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices[:, :k]
-    return logits.softmax(-1).gather(1, order), order
-
-
-def pfs_tree_reference(draft_logits: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor,
-                       threshold: float, budget: int | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [num_nodes], pfs [num_nodes], keep [num_nodes]) for a tree template.
-
-    draft_logits: [positions, vocab] one row per draft depth; parents: [num_nodes] template parents (-1 for
-    children of the root, topological order); choices: [num_nodes] which of its depth's top-k a node takes.
-    """
-    k = int(choices.max()) + 1 if choices.numel() else 1
-    probs, tokens = topk_per_position_reference(draft_logits, k)
-    rows = (template_depths(parents) - 1).to(draft_logits.device)
-    cols = choices.to(draft_logits.device)
-    pfs, keep = pfs_prune_reference(probs[rows, cols], parents, threshold, budget)
-    return tokens[rows, cols], pfs, keep
-
-
-def pfs_tree(draft_logits: torch.Tensor, parents: torch.Tensor, choices: torch.Tensor, threshold: float,
-             budget: int | None = None, backend: str | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Dispatcher for ``pfs_tree_reference`` (tokens exact; PFS equal within float tolerance)."""
-    if resolve_backend(backend, draft_logits.device) == "torch":
-        return pfs_tree_reference(draft_logits, parents, choices, threshold, budget)
-    from mtpflow.kernels.pfs_triton import pfs_tree_triton
-
-    return pfs_tree_triton(draft_logits, parents, choices, threshold, budget, template_depths(parents))

@@ -55,14 +55,3 @@ def greedy_tree_verify(target_argmax: torch.Tensor, tokens: torch.Tensor, parent
     from mtpflow.kernels.tree_verify_triton import tree_path
 
     return _unpack(tree_path(target_argmax, tokens, parents))
-
-
-def greedy_tree_verify_logits(logits: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                              backend: str | None = None) -> tuple[torch.Tensor, int, bool]:
-    """Like ``greedy_tree_verify`` from the target logits [1 + num_nodes, vocab]: the argmax per row runs in
-    the same device pass, so only the final small buffer crosses to the host."""
-    if resolve_backend(backend, logits.device) == "torch":
-        return greedy_tree_verify_reference(logits.argmax(dim=-1), tokens, parents)
-    from mtpflow.kernels.tree_verify_triton import row_argmax, tree_path
-
-    return _unpack(tree_path(row_argmax(logits), tokens, parents))

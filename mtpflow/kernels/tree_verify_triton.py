@@ -1,28 +1,11 @@
-"""Triton kernels for greedy tree verification: a row-wise argmax over the target logits, then one program
-that finds the accepted root-to-node path with vector ops (first matching sibling, then pointer jumping
-over the parent links), so the host reads one small buffer instead of walking the tree node by node."""
+"""Triton kernel for greedy tree verification: one program that finds the accepted root-to-node path from
+the target's argmax rows with vector ops (first matching sibling, then pointer jumping over the parent links),
+so the host reads one small buffer instead of walking the tree node by node."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def row_argmax_kernel(logits_ptr, out_ptr, vocab, row_stride, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0)
-    base = logits_ptr + row.to(tl.int64) * row_stride
-    best_val = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.full((), 0, tl.int32)
-    for start in range(0, vocab, BLOCK_V):
-        offs = start + tl.arange(0, BLOCK_V)
-        x = tl.load(base + offs, mask=offs < vocab, other=float("-inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        i = tl.min(tl.where(x == m, offs, vocab), axis=0)  # first index of the block maximum (torch's tie rule)
-        better = m > best_val
-        best_val = tl.where(better, m, best_val)
-        best_idx = tl.where(better, i, best_idx)
-    tl.store(out_ptr + row, best_idx.to(tl.int64))
 
 
 @triton.jit
@@ -63,15 +46,6 @@ def tree_path_kernel(argmax_ptr, tokens_ptr, parents_ptr, out_ptr, num_nodes,
 
 def _block(n: int, low: int = 16) -> int:
     return max(low, triton.next_power_of_2(max(n, 1)))
-
-
-def row_argmax(logits: torch.Tensor) -> torch.Tensor:
-    """[rows, vocab] -> [rows] long, first index of each row's maximum."""
-    logits = logits.contiguous()
-    rows, vocab = logits.shape
-    out = torch.empty(rows, dtype=torch.long, device=logits.device)
-    row_argmax_kernel[(rows,)](logits, out, vocab, logits.stride(0), BLOCK_V=min(_block(vocab), 2048))
-    return out
 
 
 def tree_path(target_argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

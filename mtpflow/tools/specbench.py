@@ -155,18 +155,6 @@ def print_table(table) -> str:
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in lines)
 
 
-def read_jsonl(text: str, path: str) -> list:
-    rows = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            raise UserError(f"{path}: line {number} is not valid JSON") from None
-    return rows
-
-
 def load_prompt_suite(path: str | None = None, classes=None, limit: int = 0) -> list[dict]:
     """The benchmark prompts as dicts with id, class and prompt; a Spec-Bench question file (``question_id``,
     ``category``, ``turns``) gives one item per question, its reported category as class, its turns kept."""
