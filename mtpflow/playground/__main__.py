@@ -33,20 +33,20 @@ def main(argv: list[str] | None = None) -> int:
         if bad:
             raise UserError(f"overrides are key=value, got {bad[0]!r}")
         from mtpflow.playground.app import build_blocks
-        from mtpflow.playground.backend import PlaygroundBackend
+        from mtpflow.playground.runner import PlaygroundRunner
         from mtpflow.playground.server import create_server_app, free_port
 
-        backend = PlaygroundBackend(tuple(args.overrides), max_tokens_cap=args.max_tokens)
+        runner = PlaygroundRunner(tuple(args.overrides), max_tokens_cap=args.max_tokens)
         if not args.no_warmup:
-            print(f"mtpflow playground: warm-up decode took {backend.warm_up():.2f} s", flush=True)
-        app = create_server_app(build_blocks(backend), backend.trace_store())
+            print(f"mtpflow playground: warm-up decode took {runner.warm_up():.2f} s", flush=True)
+        app = create_server_app(build_blocks(runner), runner.trace_store())
     except UserError as exc:
         print(f"mtpflow playground: error: {exc}", file=sys.stderr)
         return 2
     import uvicorn
 
     port = args.port or free_port(args.host)
-    print(f"mtpflow playground: serving {backend.loaded.model_id} on http://{args.host}:{port}/ "
+    print(f"mtpflow playground: serving {runner.loaded.model_id} on http://{args.host}:{port}/ "
           f"(metrics on /metrics)", flush=True)
     uvicorn.run(app, host=args.host, port=port, log_level="warning")
     return 0

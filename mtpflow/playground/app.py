@@ -2,7 +2,7 @@
 side with every token colored by what happened to it, a stats panel per side, the speedup of A over B, plots,
 and a history tab over the trace store.
 
-``build_blocks(backend)`` returns the ``gr.Blocks``; ``mtpflow.playground.server`` serves it with ``/metrics``.
+``build_blocks(runner)`` returns the ``gr.Blocks``; ``mtpflow.playground.server`` serves it with ``/metrics``.
 """
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import gradio as gr
 from mtpflow.errors import UserError
 
 from mtpflow.playground import history, render
-from mtpflow.playground.backend import (
-    Knobs, PlaygroundBackend, example_prompts, parse_overrides, strategy_description, tunable_parameters,
+from mtpflow.playground.runner import (
+    Knobs, PlaygroundRunner, example_prompts, parse_overrides, strategy_description, tunable_parameters,
 )
 from mtpflow.playground.views import SideView
 
@@ -50,8 +50,8 @@ def strategy_info(name: str) -> str:
 class ComparisonHandler:
     """The button's generator: validate, build both pipelines, decode A then B, yield page updates."""
 
-    def __init__(self, backend: PlaygroundBackend):
-        self.backend = backend
+    def __init__(self, runner: PlaygroundRunner):
+        self.runner = runner
 
     def outputs(self, status, a, b, show_rejected, final: bool):
         summary = {"a": _side_summary(a), "b": _side_summary(b), "speedup": _speedup(a, b),
@@ -73,11 +73,11 @@ class ComparisonHandler:
         try:
             if not str(prompt or "").strip():
                 raise UserError("empty prompt: type a prompt or pick an example")
-            knobs = Knobs.parse(max_new_tokens, temperature, k, max_tokens_cap=self.backend.max_tokens_cap)
+            knobs = Knobs.parse(max_new_tokens, temperature, k, max_tokens_cap=self.runner.max_tokens_cap)
             pipes = []
             for label, name, params in (("A", strategy_a, params_a), ("B", strategy_b, params_b)):
                 try:
-                    pipes.append(self.backend.build(str(name or ""), knobs, parse_overrides(params)))
+                    pipes.append(self.runner.build(str(name or ""), knobs, parse_overrides(params)))
                 except UserError as exc:
                     raise UserError(f"strategy {label} ({name}): {exc}") from None
         except UserError as exc:
@@ -87,7 +87,7 @@ class ComparisonHandler:
         cancel = threading.Event()
         try:
             # A and B decode at the same time, in one engine batch (with other visitors' requests)
-            for _ in self.backend.run_sides(pipes, str(prompt), sides, t_request, cancel):
+            for _ in self.runner.run_sides(pipes, str(prompt), sides, t_request, cancel):
                 running = [f"{'AB'[i]} ({s.strategy})" for i, s in enumerate(sides) if not s.done]
                 msg = f"decoding {' and '.join(running)}…" if running else "finishing…"
                 yield self.outputs((False, msg), sides[0], sides[1], show_rejected, final=False)
@@ -102,16 +102,16 @@ class ComparisonHandler:
             cancel.set()  # the visitor left or the run ended: a decode still going stops at its next step
 
 
-def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
+def build_blocks(runner: PlaygroundRunner) -> gr.Blocks:
     examples = example_prompts()
-    strategies = backend.strategies()
+    strategies = runner.strategies()
     default_a = "pld" if "pld" in strategies else strategies[0]
     default_b = "baseline" if "baseline" in strategies else strategies[-1]
     example_labels = [f"{e.get('id', i)} · {e.get('class', '')}" for i, e in enumerate(examples)]
-    handler = ComparisonHandler(backend)
+    handler = ComparisonHandler(runner)
 
     with gr.Blocks(title="mtpflow playground") as demo:
-        gr.Markdown(f"## mtpflow playground\nTwo strategies, one model ({html.escape(backend.loaded.model_id)}), "
+        gr.Markdown(f"## mtpflow playground\nTwo strategies, one model ({html.escape(runner.loaded.model_id)}), "
                     "side by side: every token is colored by what happened to it.")
         with gr.Tab("Compare"):
             with gr.Row():
@@ -125,7 +125,7 @@ def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
                         strategy_a = gr.Dropdown(strategies, value=default_a, label="Strategy A")
                         strategy_b = gr.Dropdown(strategies, value=default_b, label="Strategy B")
                     with gr.Row():
-                        max_new_tokens = gr.Number(value=min(128, backend.max_tokens_cap), precision=0,
+                        max_new_tokens = gr.Number(value=min(128, runner.max_tokens_cap), precision=0,
                                                    label="Max new tokens", elem_id="knob-max-new-tokens")
                         # text boxes, not gr.Number: a blank Number shows and sends 0, and blank must mean
                         # "the strategy's own value" (K = 0 would turn every strategy into plain decoding)
@@ -196,7 +196,7 @@ def build_blocks(backend: PlaygroundBackend) -> gr.Blocks:
             strategy_a.change(on_strategy, strategy_a, [info_a, params_a], api_visibility="private")
             strategy_b.change(on_strategy, strategy_b, [info_b, params_b], api_visibility="private")
 
-        refresh = history.build_tab(backend.trace_store(), backend.loaded.tokenizer, backend.loaded.model_id)
+        refresh = history.build_tab(runner.trace_store(), runner.loaded.tokenizer, runner.loaded.model_id)
         if refresh is not None:
             list_runs, runs_table = refresh
             demo.load(list_runs, None, runs_table, api_visibility="private")

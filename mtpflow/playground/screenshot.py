@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from playwright.sync_api import sync_playwright
 
-    from mtpflow.playground.backend import example_prompts
+    from mtpflow.playground.runner import example_prompts
 
     prompt = args.prompt or example_prompts()[0]["prompt"]
     with sync_playwright() as pw:

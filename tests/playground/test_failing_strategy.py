@@ -6,7 +6,7 @@ import pytest
 
 from mtpflow.plugins import hookimpl
 
-from mtpflow.playground.backend import PlaygroundBackend
+from mtpflow.playground.runner import PlaygroundRunner
 
 
 class ExplodingProposer:
@@ -19,7 +19,7 @@ class ExplodingProposer:
         return None
 
 
-class BackendWithABrokenStrategy(PlaygroundBackend):
+class RunnerWithABrokenStrategy(PlaygroundRunner):
     def strategies(self):
         return [*super().strategies(), "exploding"]
 
@@ -38,8 +38,8 @@ def tiny_app_url(tiny, tmp_path_factory):
     from mtpflow.playground.server import BackgroundServer, create_server_app
 
     db = tmp_path_factory.mktemp("failing") / "traces.db"
-    backend = BackendWithABrokenStrategy((f"trace.db={db}", "chat=false"), loaded=tiny, max_tokens_cap=64)
-    server = BackgroundServer(create_server_app(build_blocks(backend), backend.trace_store())).start()
+    runner = RunnerWithABrokenStrategy((f"trace.db={db}", "chat=false"), loaded=tiny, max_tokens_cap=64)
+    server = BackgroundServer(create_server_app(build_blocks(runner), runner.trace_store())).start()
     yield server.url
     server.stop()
 

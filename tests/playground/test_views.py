@@ -8,7 +8,7 @@ from mtpflow.errors import ConfigError
 from mtpflow.types import ACCEPTED, BONUS, PLAIN, RECOVERED
 
 from mtpflow.playground import history, render
-from mtpflow.playground.backend import Knobs, PlaygroundBackend, example_prompts, parse_overrides, tunable_parameters
+from mtpflow.playground.runner import Knobs, PlaygroundRunner, example_prompts, parse_overrides, tunable_parameters
 from mtpflow.playground.views import (
     IncrementalDetokenizer, SideView, StepView, acceptance_by_position, finish_tokens, step_tokens, step_view,
 )
@@ -19,8 +19,8 @@ DRAFTS_SOME = ["strategy.propose.layers=1", "strategy.propose.cost_aware=false",
 
 
 def live_side(loaded, tmp_path, strategy: str = "draft_model", extra=DRAFTS_SOME, max_new_tokens: int = 32):
-    backend = PlaygroundBackend((f"trace.db={tmp_path / 'traces.db'}", "chat=false"), loaded=loaded)
-    pipe = backend.build(strategy, Knobs(max_new_tokens, 0.0, None), list(extra))
+    runner = PlaygroundRunner((f"trace.db={tmp_path / 'traces.db'}", "chat=false"), loaded=loaded)
+    pipe = runner.build(strategy, Knobs(max_new_tokens, 0.0, None), list(extra))
     side = SideView(strategy)
     detok = IncrementalDetokenizer(loaded.tokenizer)
 
@@ -32,12 +32,12 @@ def live_side(loaded, tmp_path, strategy: str = "draft_model", extra=DRAFTS_SOME
     result = pipe(PROMPT, on_step=on_step)
     finish_tokens(side.tokens, detok)
     side.stats, side.text, side.run_id, side.done = result.stats, result.text, result.run_id, True
-    return side, result, backend
+    return side, result, runner
 
 
 @pytest.fixture(scope="module")
 def live(tiny, tmp_path_factory):
-    """One recorded decode shared by the tests below (side view, DecodeResult, backend)."""
+    """One recorded decode shared by the tests below (side view, DecodeResult, runner)."""
     return live_side(tiny, tmp_path_factory.mktemp("live"))
 
 
@@ -133,8 +133,8 @@ def test_example_prompts_come_from_the_benchmark_suite():
 
 
 def test_history_rebuilds_the_live_view(tiny, live):
-    side, result, backend = live
-    store = backend.trace_store()
+    side, result, runner = live
+    store = runner.trace_store()
     assert store is not None and result.run_id is not None
     rows = history.runs_table(store)
     assert rows[0][0] == result.run_id and rows[0][3] == "draft_model"

@@ -154,7 +154,7 @@ def strategy_description(strategy: str) -> str:
     return f"{cfg.get('description', '')} ({lossless})"
 
 
-class PlaygroundBackend:
+class PlaygroundRunner:
     """Holds the one model of this process and runs comparisons on it."""
 
     def __init__(self, base_overrides: tuple[str, ...] = (), loaded=None, max_tokens_cap: int = 1024):
@@ -183,7 +183,7 @@ class PlaygroundBackend:
 
     def _compose(self, overrides: tuple[str, ...]):
         """Hydra's compose is slow next to a lookup, and a page asks for the same few configs again and again
-        (measured: docs/bench/code-figures.md#playground-backend-_compose)."""
+        (measured: docs/bench/code-figures.md#playground-runner-_compose)."""
         with self._cache_lock:
             cfg = self._configs.get(overrides)
         if cfg is None:
