@@ -1,6 +1,8 @@
 """Speculative sampling over a draft chain (Leviathan et al. 2023): accept draft token x at position i when
 u_i * q_i(x) < p_i(x) (i.e. with probability min(1, p/q)), and at the first rejection sample the normalised
-residual max(0, p - q); after a fully accepted chain sample the bonus token from p.
+residual max(0, p - q); after a fully accepted chain sample the bonus token from p. A deterministic draft
+(``draft_probs`` None) is the case q = one-hot of the drafted token: accept with probability p(x), and the
+residual is p without x.
 
 Randomness is passed in, never drawn here: ``uniforms`` [num_nodes + 1] float32 in [0, 1) (u_i tests node i,
 the last one drives the final draw), so the reference and the kernel agree exactly. The final draw is an
@@ -29,32 +31,49 @@ def inverse_cdf(weights: torch.Tensor, uniform: torch.Tensor) -> int:
     return int((weights.cumsum(0) <= threshold).sum())
 
 
-def speculative_accept_reference(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: torch.Tensor,
-                                 uniforms: torch.Tensor) -> tuple[int, int, bool]:
+def draw(probs: torch.Tensor, uniform: torch.Tensor, fallback: torch.Tensor) -> int:
+    """One token from ``probs`` [vocab] (any non-negative weights; normalising is not needed) by the inverse
+    CDF at ``uniform``, or from ``fallback`` [vocab] when ``probs`` has no weight at all."""
+    weights = integer_weights(probs)
+    if int(weights.sum()) == 0:
+        weights = integer_weights(fallback)
+    return inverse_cdf(weights, uniform)
+
+
+def residual(probs: torch.Tensor, draft_probs: torch.Tensor | None, token: int) -> torch.Tensor:
+    """[vocab] max(0, p - q), unnormalised; q is one-hot of ``token`` when ``draft_probs`` is None (p without
+    the drafted token)."""
+    if draft_probs is None:
+        out = probs.clone()
+        out[token] = 0.0  # max(0, p - 1) at the drafted token, p elsewhere
+        return out
+    return (probs - draft_probs.float().to(probs.device)).clamp(min=0)
+
+
+def speculative_accept_reference(target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                                 tokens: torch.Tensor, uniforms: torch.Tensor) -> tuple[int, int, bool]:
     """(accepted prefix length, next token, whether it is a bonus token).
 
     target_probs: [num_nodes + 1, vocab] p after the root and after each node; draft_probs: [num_nodes, vocab]
-    the q each draft token was drawn from; tokens: [num_nodes]; uniforms: [num_nodes + 1].
+    the q each draft token was drawn from, or None for a deterministic draft; tokens: [num_nodes];
+    uniforms: [num_nodes + 1].
     """
     p = target_probs.float()
-    q = draft_probs.float().to(p.device)  # everything where the target's probabilities are (the gate's
-    u = uniforms.float().to(p.device)  # uniforms and the draft tokens usually come from the CPU)
-    tokens = tokens.to(p.device)
+    u = uniforms.float().to(p.device)  # everything where the target's probabilities are (the gate's
+    tokens = tokens.to(p.device)  # uniforms and the draft tokens usually come from the CPU)
     n = int(tokens.numel())
     rows = torch.arange(n, device=p.device)
-    accept = u[:n] * q[rows, tokens] < p[rows, tokens]
+    q_token = 1.0 if draft_probs is None else draft_probs.float().to(p.device)[rows, tokens]
+    accept = u[:n] * q_token < p[rows, tokens]
     rejected = (~accept).nonzero().flatten()
     j = int(rejected[0]) if rejected.numel() else n
-    if j < n:
-        weights = integer_weights((p[j] - q[j]).clamp(min=0))
-        if int(weights.sum()) == 0:
-            weights = integer_weights(p[j])
-    else:
-        weights = integer_weights(p[n])
-    return j, inverse_cdf(weights, u[n]), j == n
+    if j == n:
+        return n, draw(p[n], u[n], p[n]), True
+    q_row = None if draft_probs is None else draft_probs[j]
+    return j, draw(residual(p[j], q_row, int(tokens[j])), u[n], p[j]), False
 
 
-def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor, tokens: torch.Tensor,
+def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, tokens: torch.Tensor,
                        uniforms: torch.Tensor, backend: str | None = None) -> tuple[int, int, bool]:
     """Dispatcher for ``speculative_accept_reference`` (same arguments and result)."""
     if resolve_backend(backend, target_probs.device) == "torch":

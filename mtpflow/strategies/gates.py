@@ -3,13 +3,15 @@ et al. 2023, with recursive rejection over tree siblings) and typical acceptance
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from mtpflow.errors import check_range
 from mtpflow.hookspecs import hookimpl
-from mtpflow.kernels import children_lists, greedy_tree_verify
-from mtpflow.sampling import sample, target_probs
+from mtpflow.kernels import children_lists, greedy_tree_verify, speculative_accept
+from mtpflow.kernels.speculative import draw, residual
+from mtpflow.sampling import target_probs
 from mtpflow.types import BONUS, RECOVERED, Decision, DecodeState, Draft, Verification
 
 
@@ -20,10 +22,9 @@ class GreedyGate:
 
     @hookimpl
     def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
-        argmax = verification.target_argmax()
         if not state.sampling.greedy:
             return SpeculativeSamplingGate().gate(state, draft, verification)
-        path, next_token, leaf = greedy_tree_verify(argmax, draft.tokens, draft.parents)
+        path, next_token, leaf = greedy_tree_verify(verification.target_argmax(), draft.tokens, draft.parents)
         return Decision(accepted=path, next_token=next_token, next_kind=BONUS if leaf else RECOVERED)
 
 
@@ -34,54 +35,66 @@ class SpeculativeSamplingGate:
     rejection samples the residual max(0, p - q). Deterministic drafts and tree siblings use the
     without-replacement rule: accept token x with probability p(x), else zero p(x), renormalise and try the
     next sibling; after the last sibling sample from what is left. Both keep the output distribution p.
+    A chain goes through ``speculative_accept`` in one call (on a GPU the Triton kernel, one host read); a
+    tree takes ``speculative_tree_walk``. Both read the same uniforms, drawn from the run's generator.
     """
 
     @hookimpl
     def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
-        rng = state.extras.get("rng")
         probs = target_probs(verification.logits, state.sampling)  # [1 + num_nodes, vocab], the logits' device
-        rows: dict[int, torch.Tensor] = {}
+        uniforms = torch.rand(draft.num_nodes + 1, generator=state.extras.get("rng"))  # [num_nodes + 1], CPU
+        if draft.is_chain:
+            accepted, next_token, bonus = speculative_accept(probs, draft.dists, draft.tokens, uniforms)
+            path = list(range(accepted))
+        else:
+            rows: dict[int, torch.Tensor] = {}
 
-        def row_probs(i: int) -> torch.Tensor:
-            """Row ``i`` of ``probs`` on the CPU, where the run's generator draws: the loop below reads single
-            entries, which on a GPU would each be a host sync; only the rows the walk visits are copied."""
-            if i not in rows:
-                rows[i] = probs[i].cpu()
-            return rows[i]
+            def row_probs(i: int) -> torch.Tensor:
+                """Row ``i`` of ``probs`` on the CPU: the walk reads single entries, which on a GPU would each
+                be a host sync; only the rows the walk visits are copied."""
+                if i not in rows:
+                    rows[i] = probs[i].cpu()
+                return rows[i]
 
-        toks = draft.tokens.tolist()
-        root, kids = children_lists(draft.parents.tolist())
-        path: list[int] = []
-        row, options = 0, root
-        while options:
-            p = row_probs(row).clone()
-            chosen = None
-            for c in options:
-                x = toks[c]
-                u = float(torch.rand((), generator=rng))
-                if draft.dists is not None and len(options) == 1:
-                    q = draft.dists[c].float().to(p.device)  # a drafter's distribution may live on the GPU
-                    if u < min(1.0, float(p[x]) / max(float(q[x]), 1e-20)):
-                        chosen = c
-                        break
-                    residual = (p - q).clamp(min=0)
-                    p = residual / residual.sum() if float(residual.sum()) > 0 else p
-                else:
-                    if u < float(p[x]):
-                        chosen = c
-                        break
-                    p[x] = 0.0
-                    total = float(p.sum())
-                    if total <= 0:
-                        break
-                    p = p / total
-            if chosen is None:
-                return Decision(torch.tensor(path, dtype=torch.long), sample(p, rng), RECOVERED,
-                                gate_scores=torch.zeros(0))
-            path.append(chosen)
-            row, options = chosen + 1, kids[chosen]
-        return Decision(torch.tensor(path, dtype=torch.long), sample(row_probs(row), rng),
-                        BONUS if path else RECOVERED)
+            path, next_token, bonus = speculative_tree_walk(row_probs, draft, uniforms)
+        return Decision(torch.tensor(path, dtype=torch.long), next_token, BONUS if bonus and path else RECOVERED)
+
+
+def speculative_tree_walk(row_probs: Callable[[int], torch.Tensor], draft: Draft,
+                          uniforms: torch.Tensor) -> tuple[list[int], int, bool]:
+    """(accepted path, next token, whether the path ended on a leaf) for any draft tree, node by node in
+    Python (the contract of ``speculative_accept``, for trees).
+
+    ``row_probs(i)``: the target's probabilities [vocab] after row ``i`` (0: the root, i + 1: node i), float32.
+    ``uniforms`` [num_nodes + 1]: node ``c`` is tested with ``uniforms[c]`` and the final draw takes the last
+    one, as in ``speculative_accept``, so on a chain both give the same path and token for the same uniforms.
+    A node is accepted when u * q(x) < p(x) (float32, as the kernel compares); q is the node's draft
+    distribution when it is its parent's only child and ``draft.dists`` is set, else one-hot of its token.
+    """
+    toks = draft.tokens.tolist()
+    root, kids = children_lists(draft.parents.tolist())
+    path: list[int] = []
+    row, options = 0, root
+    while options:
+        p = row_probs(row)
+        chosen = None
+        for i, c in enumerate(options):
+            x = toks[c]
+            q = draft.dists[c].float().to(p.device) if draft.dists is not None and len(options) == 1 else None
+            if bool(uniforms[c] * (1.0 if q is None else q[x]) < p[x]):
+                chosen = c
+                break
+            p = residual(p, q, x)
+            if i + 1 < len(options):  # the next sibling is tested against what is left, renormalised
+                total = float(p.sum())
+                if total <= 0:
+                    break
+                p = p / total
+        if chosen is None:
+            return path, draw(p, uniforms[-1], row_probs(row)), False
+        path.append(chosen)
+        row, options = chosen + 1, kids[chosen]
+    return path, draw(row_probs(row), uniforms[-1], row_probs(row)), True
 
 
 class TypicalGate:

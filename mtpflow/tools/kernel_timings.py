@@ -56,6 +56,8 @@ def cases(device: torch.device, vocab: int = 49152):
          lambda b: kernels.greedy_tree_verify(argmax, tokens, parents, backend=b)),
         ("speculative accept + residual sample", f"chain 8 x {vocab}, drafted from q",
          lambda b: kernels.speculative_accept(p, q, chain, uniforms, backend=b)),
+        ("speculative accept + residual sample", f"chain 8 x {vocab}, deterministic",
+         lambda b: kernels.speculative_accept(p, None, chain, uniforms, backend=b)),
         ("PFS prune", f"{nodes} nodes", lambda b: kernels.pfs_prune(node_probs, parents, 0.05, 16, backend=b)),
         ("tree attention", f"{nq} queries, {prefix} cached, 9/3 heads x 64",
          lambda b: kernels.tree_attention(qh, kh, vh, allowed, prefix, backend=b)),

@@ -14,7 +14,7 @@ from mtpflow.kernels.speculative import integer_weights, inverse_cdf
 def test_kernel_matches_reference_given_the_same_uniforms():
     rng, g = random.Random(0), torch.Generator().manual_seed(0)
     outcomes = set()
-    for case in range(24):
+    for case in range(32):
         n = rng.choice([0, 1, rng.randint(2, 8)])
         vocab = rng.choice([2, 5, rng.randint(6, 3000)])
         p = (torch.randn(n + 1, vocab, generator=g) * rng.choice([0.5, 3.0])).softmax(-1)
@@ -23,11 +23,12 @@ def test_kernel_matches_reference_given_the_same_uniforms():
             q[0] = p[0]  # zero residual: falls back to p
         tokens = torch.multinomial(q, 1, generator=g).flatten() if n else torch.zeros(0, dtype=torch.long)
         uniforms = torch.rand(n + 1, generator=g)
+        q = q if case % 2 else None  # odd cases: draft distributions; even: a deterministic draft (one-hot q)
         expected = speculative_accept_reference(p, q, tokens, uniforms)
-        on_device = (t.to(DEVICE) for t in (p, q, tokens, uniforms))
+        on_device = [None if t is None else t.to(DEVICE) for t in (p, q, tokens, uniforms)]
         assert speculative_accept(*on_device, backend="triton") == expected, case
-        outcomes.add((expected[0] == n, expected[0] == 0))
-    assert len(outcomes) >= 2  # both full accepts and early rejections were exercised
+        outcomes.add((q is None, expected[0] == n, expected[0] == 0))
+    assert len(outcomes) >= 4  # full accepts and early rejections, with and without draft distributions
 
 
 def test_inverse_cdf_picks_by_integer_weight():

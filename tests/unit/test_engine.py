@@ -372,7 +372,7 @@ def test_sampling_in_a_batch_keeps_the_target_distribution():
         drafted = sum(r.stats["draft_tokens"] for r in results)
         tables.append((Counter(tuple(r.token_ids[1:2]) for r in results), drafted))
     (plain, _), (spec, drafted) = tables
-    assert drafted > n  # speculation really happened
+    assert drafted > n // 2  # speculation really happened (about one draft token a request on this toy)
     keys = sorted(set(plain) | set(spec))
     table = [[plain.get(k, 0) for k in keys], [spec.get(k, 0) for k in keys]]
     table = [[a for a, b in zip(*table) if a + b >= 10], [b for a, b in zip(*table) if a + b >= 10]]
