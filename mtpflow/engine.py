@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
 from mtpflow.errors import UserError, check_int, debug_enabled, describe, internal_cause, traceback_text
 from mtpflow.backends import ExecutionSpec, create as create_backend
-from mtpflow.kernels.dispatch import use_backend
+from mtpflow.kernels.dispatch import use_impl
 from mtpflow.loop import Sequence, StepCallback, decode_step
 from mtpflow.model import load_configured
 from mtpflow.plugins.manager import build_stages, default_run_plugins, make_plugin_manager
@@ -406,7 +406,7 @@ class Engine:
             self._thread.start()
 
     def _serve(self) -> None:
-        with use_backend(self.execution.kernels), self.backend.running(), torch.inference_mode():
+        with use_impl(self.execution.kernels), self.backend.running(), torch.inference_mode():
             while True:
                 with self._lock:
                     if not (self._queue or self._running or self._closing):

@@ -1,9 +1,12 @@
-"""Which implementation a kernel call runs: the Triton kernel or its pure-torch reference.
+"""Which implementation a draft-tree op runs (its "impl"): the Triton kernel or its pure-torch reference. The
+config key ``kernels`` names it for users; this is not a backend (``mtpflow.backends`` decides how the target
+computes).
 
 ``auto`` picks Triton when it is importable and the tensors live on CUDA, the torch reference otherwise;
 ``torch`` and ``triton`` force one (``triton`` runs CPU tensors through the interpreter when
-``TRITON_INTERPRET=1``, slow and meant for tests; on a CUDA machine host-resident data stays on the reference). A run scopes its choice with ``use_backend`` (a context variable, so two pipelines in two threads do not
-see each other's choice); ``set_default_backend`` is the one setter of the process-wide default.
+``TRITON_INTERPRET=1``, slow and meant for tests; on a CUDA machine host-resident data stays on the reference).
+A run scopes its choice with ``use_impl`` (a context variable, so two pipelines in two threads do not see each
+other's choice); ``set_default_impl`` is the one setter of the process-wide default.
 """
 from __future__ import annotations
 
@@ -18,44 +21,45 @@ import torch
 
 from mtpflow.errors import ConfigError
 
-BACKENDS = ("auto", "torch", "triton")
+IMPLS = ("auto", "torch", "triton")
 
-_scoped_backend: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtpflow_kernel_backend", default=None)
-_process_default = {"backend": "auto"}  # changed only through set_default_backend
+_scoped_impl: contextvars.ContextVar[str | None] = contextvars.ContextVar("mtpflow_kernels_impl", default=None)
+_process_default = {"impl": "auto"}  # changed only through set_default_impl
 
 
-def check_backend(name) -> str:
-    """The backend name, or ConfigError for anything outside BACKENDS."""
-    if name not in BACKENDS:
-        raise ConfigError(f"kernels must be one of {', '.join(BACKENDS)}, got {name!r}")
+def check_impl(name) -> str:
+    """The implementation's name, or ConfigError for anything outside IMPLS."""
+    if name not in IMPLS:
+        raise ConfigError(f"kernels (the draft-tree ops' implementation) must be one of {', '.join(IMPLS)}, "
+                          f"got {name!r}")
     return str(name)
 
 
-def check_backend_usable(name) -> str:
-    """``check_backend`` plus, for ``triton``, that a kernel could actually launch here (config validation)."""
-    name = check_backend(name)
+def check_impl_usable(name) -> str:
+    """``check_impl`` plus, for ``triton``, that a kernel could actually launch here (config validation)."""
+    name = check_impl(name)
     if name == "triton":
-        resolve_backend("triton", "cuda" if torch.cuda.is_available() else "cpu")
+        resolve_impl("triton", "cuda" if torch.cuda.is_available() else "cpu")
     return name
 
 
-def set_default_backend(name: str) -> None:
-    """Set the process-wide default backend (used when no run scoped one with ``use_backend``)."""
-    _process_default["backend"] = check_backend(name)
+def set_default_impl(name: str) -> None:
+    """Set the process-wide default implementation (used when no run scoped one with ``use_impl``)."""
+    _process_default["impl"] = check_impl(name)
 
 
 @contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Run the body with ``name`` as the backend for kernel calls made from this thread / context."""
-    token = _scoped_backend.set(None if name is None else check_backend(name))
+def use_impl(name: str | None) -> Iterator[None]:
+    """Run the body with ``name`` as the implementation of the kernel calls made from this thread / context."""
+    token = _scoped_impl.set(None if name is None else check_impl(name))
     try:
         yield
     finally:
-        _scoped_backend.reset(token)
+        _scoped_impl.reset(token)
 
 
-def requested_backend() -> str:
-    return _scoped_backend.get() or _process_default["backend"]
+def requested_impl() -> str:
+    return _scoped_impl.get() or _process_default["impl"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -67,12 +71,12 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on")
 
 
-def resolve_backend(backend: str | None = None, device: torch.device | str | None = None) -> str:
+def resolve_impl(impl: str | None = None, device: torch.device | str | None = None) -> str:
     """``torch`` or ``triton`` for a call whose tensors live on ``device``.
 
-    An explicit ``backend`` wins over the scoped one, which wins over the process default.
+    An explicit ``impl`` wins over the scoped one, which wins over the process default.
     """
-    name = check_backend(backend) if backend is not None else requested_backend()
+    name = check_impl(impl) if impl is not None else requested_impl()
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if name == "auto":
         return "triton" if on_cuda and triton_installed() else "torch"

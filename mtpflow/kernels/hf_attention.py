@@ -1,7 +1,7 @@
 """The ``mtpflow`` attention implementation for Hugging Face models: prefill and chain verify forwards
 (no custom mask) run causal attention with the queries at the end of the keys, through flash-attn on CUDA
-when it is installed; tree verify forwards (a 4D mask) run the tree attention kernel. With the ``torch``
-kernel backend everything goes through PyTorch SDPA, exactly like ``attn_implementation=sdpa``.
+when it is installed; tree verify forwards (a 4D mask) run the tree attention kernel. With the kernels'
+``torch`` implementation everything goes through PyTorch SDPA, exactly like ``attn_implementation=sdpa``.
 
 Select it with ``model.attn_implementation=mtpflow`` (the default on CUDA when flash-attn is installed, since
 HF's own flash_attention_2 cannot apply a tree mask); ``register()`` makes the name known to transformers.
@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from mtpflow.kernels.dispatch import resolve_backend
+from mtpflow.kernels.dispatch import resolve_impl
 from mtpflow.kernels.tree_attention import causal_tail, full_mask, tree_attention
 
 ATTENTION_NAME = "mtpflow"
@@ -38,26 +38,26 @@ def mtpflow_attention(module, query: torch.Tensor, key: torch.Tensor, value: tor
     batch, _, q_len, head_dim = query.shape
     kv_len = key.shape[2]
     scale = head_dim**-0.5 if scaling is None else scaling
-    backend = resolve_backend(None, query.device)
+    impl = resolve_impl(None, query.device)
     if attention_mask is None:  # causal, the queries are the last q_len keys (see ``mtpflow_mask``)
-        if backend == "triton" and flash_attn_usable(query):
+        if impl == "triton" and flash_attn_usable(query):
             from flash_attn import flash_attn_func
 
             out = flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                   softmax_scale=scale, causal=True)  # bottom-right aligned (flash-attn >= 2.1)
             return out, None
         allowed, prefix_len = causal_tail(batch, q_len, query.device), kv_len - q_len
-        if backend == "torch":
+        if impl == "torch":
             mask = None if q_len in (1, kv_len) else full_mask(allowed, prefix_len)[:, None]
             return _sdpa(module, query, key, value, mask, dropout, scale, is_causal=q_len == kv_len and q_len > 1)
     else:
-        if backend == "torch":
+        if impl == "torch":
             return _sdpa(module, query, key, value, attention_mask, dropout, scale, **kwargs)
         mask = attention_mask[:, 0]
         allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
         prefix_len = 0
     out = tree_attention(query, key, value, allowed[..., -(kv_len - prefix_len):] if kv_len > prefix_len
-                         else allowed[..., :0], prefix_len, scale, backend=backend)
+                         else allowed[..., :0], prefix_len, scale, impl=impl)
     return out.transpose(1, 2).contiguous(), None
 
 

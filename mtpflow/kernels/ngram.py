@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.kernels.dispatch import resolve_backend
+from mtpflow.kernels.dispatch import resolve_impl
 
 
 def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
@@ -35,9 +35,9 @@ def _follow(context: torch.Tensor, key: int, min_ngram: int, k: int) -> torch.Te
 
 
 def ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int,
-                       backend: str | None = None) -> torch.Tensor:
+                       impl: str | None = None) -> torch.Tensor:
     """Dispatcher: same result as ``ngram_continuation_reference``."""
-    if resolve_backend(backend, context.device) == "torch":
+    if resolve_impl(impl, context.device) == "torch":
         return ngram_continuation_reference(context, min_ngram, max_ngram, k)
     from mtpflow.kernels.ngram_triton import best_match_key_triton
 

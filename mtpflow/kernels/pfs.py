@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.kernels.dispatch import resolve_backend
+from mtpflow.kernels.dispatch import resolve_impl
 
 
 def path_products(node_probs: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
@@ -41,9 +41,9 @@ def pfs_prune_reference(node_probs: torch.Tensor, parents: torch.Tensor, thresho
 
 
 def pfs_prune(node_probs: torch.Tensor, parents: torch.Tensor, threshold: float, budget: int | None = None,
-              backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              impl: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Dispatcher for ``pfs_prune_reference`` (same arguments and result)."""
-    if resolve_backend(backend, node_probs.device) == "torch":
+    if resolve_impl(impl, node_probs.device) == "torch":
         return pfs_prune_reference(node_probs, parents, threshold, budget)
     from mtpflow.kernels.pfs_triton import pfs_prune_triton
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.kernels.dispatch import resolve_backend
+from mtpflow.kernels.dispatch import resolve_impl
 
 WEIGHT_SCALE = float(2**40)
 
@@ -74,9 +74,9 @@ def speculative_accept_reference(target_probs: torch.Tensor, draft_probs: torch.
 
 
 def speculative_accept(target_probs: torch.Tensor, draft_probs: torch.Tensor | None, tokens: torch.Tensor,
-                       uniforms: torch.Tensor, backend: str | None = None) -> tuple[int, int, bool]:
+                       uniforms: torch.Tensor, impl: str | None = None) -> tuple[int, int, bool]:
     """Dispatcher for ``speculative_accept_reference`` (same arguments and result)."""
-    if resolve_backend(backend, target_probs.device) == "torch":
+    if resolve_impl(impl, target_probs.device) == "torch":
         return speculative_accept_reference(target_probs, draft_probs, tokens, uniforms)
     from mtpflow.kernels.speculative_triton import speculative_accept_triton
 

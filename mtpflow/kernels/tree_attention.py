@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.kernels.dispatch import resolve_backend
+from mtpflow.kernels.dispatch import resolve_impl
 
 
 def full_mask(allowed: torch.Tensor, prefix_len: int) -> torch.Tensor:
@@ -40,9 +40,9 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, prefix_len: int,
-                   scale: float | None = None, backend: str | None = None) -> torch.Tensor:
+                   scale: float | None = None, impl: str | None = None) -> torch.Tensor:
     """Dispatcher for ``tree_attention_reference`` (same arguments; equal within float tolerance)."""
-    if resolve_backend(backend, q.device) == "torch":
+    if resolve_impl(impl, q.device) == "torch":
         return tree_attention_reference(q, k, v, allowed, prefix_len, scale)
     from mtpflow.kernels.tree_attention_triton import tree_attention_triton
 

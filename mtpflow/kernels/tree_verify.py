@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.kernels.dispatch import resolve_backend
+from mtpflow.kernels.dispatch import resolve_impl
 
 
 def children_lists(parents: list[int]) -> tuple[list[int], list[list[int]]]:
@@ -48,9 +48,9 @@ def _unpack(buffer: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
 
 
 def greedy_tree_verify(target_argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
-                       backend: str | None = None) -> tuple[torch.Tensor, int, bool]:
+                       impl: str | None = None) -> tuple[torch.Tensor, int, bool]:
     """Dispatcher for ``greedy_tree_verify_reference`` (same arguments and result)."""
-    if resolve_backend(backend, target_argmax.device) == "torch":
+    if resolve_impl(impl, target_argmax.device) == "torch":
         return greedy_tree_verify_reference(target_argmax, tokens, parents)
     from mtpflow.kernels.tree_verify_triton import tree_path
 

@@ -31,7 +31,7 @@ def timed(fn, repeats: int, sync) -> float:
 
 
 def cases(device: torch.device, vocab: int = 49152):
-    """(name, size, call(backend)) per kernel, inputs built once on ``device``."""
+    """(name, size, call(impl)) per kernel, inputs built once on ``device``."""
     from mtpflow import kernels
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -53,15 +53,15 @@ def cases(device: torch.device, vocab: int = 49152):
     allowed = torch.ones(1, nq, nq, dtype=torch.bool, device=device).tril()
     return [
         ("greedy tree verify (path)", f"{nodes} nodes",
-         lambda b: kernels.greedy_tree_verify(argmax, tokens, parents, backend=b)),
+         lambda b: kernels.greedy_tree_verify(argmax, tokens, parents, impl=b)),
         ("speculative accept + residual sample", f"chain 8 x {vocab}, drafted from q",
-         lambda b: kernels.speculative_accept(p, q, chain, uniforms, backend=b)),
+         lambda b: kernels.speculative_accept(p, q, chain, uniforms, impl=b)),
         ("speculative accept + residual sample", f"chain 8 x {vocab}, deterministic",
-         lambda b: kernels.speculative_accept(p, None, chain, uniforms, backend=b)),
-        ("PFS prune", f"{nodes} nodes", lambda b: kernels.pfs_prune(node_probs, parents, 0.05, 16, backend=b)),
+         lambda b: kernels.speculative_accept(p, None, chain, uniforms, impl=b)),
+        ("PFS prune", f"{nodes} nodes", lambda b: kernels.pfs_prune(node_probs, parents, 0.05, 16, impl=b)),
         ("tree attention", f"{nq} queries, {prefix} cached, 9/3 heads x 64",
-         lambda b: kernels.tree_attention(qh, kh, vh, allowed, prefix, backend=b)),
-        ("n-gram match", "2048 tokens, n 1..3", lambda b: kernels.ngram_continuation(history, 1, 3, 8, backend=b)),
+         lambda b: kernels.tree_attention(qh, kh, vh, allowed, prefix, impl=b)),
+        ("n-gram match", "2048 tokens, n 1..3", lambda b: kernels.ngram_continuation(history, 1, 3, 8, impl=b)),
     ]
 
 

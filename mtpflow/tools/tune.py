@@ -59,7 +59,7 @@ def tune(engine, cfg) -> dict:
         BATCH_CONTEXT, cost_key, device_name, profile_setting, tune_batch_costs, tune_verify_costs, verify_cost_context,
     )
     from mtpflow.host import profile_path
-    from mtpflow.kernels.dispatch import use_backend
+    from mtpflow.kernels.dispatch import use_impl
 
     backend, loaded = engine.backend, engine.loaded
     profile = profile_setting(cfg)
@@ -69,7 +69,7 @@ def tune(engine, cfg) -> dict:
     out: dict = {"path": profile_path(profile), "verify": {}, "batch": None}
     batch_argmax = backend.takes_argmax_only()  # what the engine's batch cap reads (load_batch_costs)
     steps = len(reads) * len(settings) + 1
-    with use_backend(cfg.get("kernels") or "auto"), backend.running(), torch.inference_mode(), \
+    with use_impl(cfg.get("kernels") or "auto"), backend.running(), torch.inference_mode(), \
             tqdm(total=steps, desc="tuning", unit="measurement") as bar:
         for argmax_only in reads:
             key = cost_key(backend, loaded.model_id, device, argmax_only)

@@ -25,7 +25,7 @@ def tiny_cuda():
 
 
 def test_tree_and_chain_logits_match_sdpa_on_cuda(tiny_cuda):
-    from mtpflow.kernels import use_backend
+    from mtpflow.kernels import use_impl
     from mtpflow.target import Target
     from mtpflow.types import Draft
 
@@ -33,9 +33,9 @@ def test_tree_and_chain_logits_match_sdpa_on_cuda(tiny_cuda):
     prompt = torch.arange(3, 40)
     tree = Draft(torch.tensor([11, 22, 33, 44, 55, 66]), torch.tensor([-1, -1, 0, 1, 3, 0]))
     results = {}
-    for attn, backend in (("sdpa", "torch"), ("mtpflow", "triton")):
+    for attn, impl in (("sdpa", "torch"), ("mtpflow", "triton")):
         model.set_attn_implementation(attn)
-        with use_backend(backend):
+        with use_impl(impl):
             target = Target(model)
             target.prefill(prompt[:-1])
             chain = target.verify(int(prompt[-1]), Draft.chain([11, 33]), root_position=36).logits
@@ -79,10 +79,10 @@ def test_flash_attn_path_matches_sdpa_in_bf16():
     k, v = (torch.randn(1, 2, 40, 64, generator=g).cuda().bfloat16() for _ in range(2))
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 4, True
-    from mtpflow.kernels import use_backend
+    from mtpflow.kernels import use_impl
 
-    with use_backend("triton"):
+    with use_impl("triton"):
         got, _ = mtpflow_attention(module, q, k, v, None)
-    with use_backend("torch"):
+    with use_impl("torch"):
         want, _ = mtpflow_attention(module, q, k, v, None)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

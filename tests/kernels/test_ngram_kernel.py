@@ -24,7 +24,7 @@ def _cases(seed: int, count: int):
 def test_kernel_equals_reference():
     for context, min_n, max_n, k in _cases(1, 40):
         expected = ngram_continuation_reference(context, min_n, max_n, k)
-        assert torch.equal(ngram_continuation(context.to(DEVICE), min_n, max_n, k, backend="triton").cpu(), expected)
+        assert torch.equal(ngram_continuation(context.to(DEVICE), min_n, max_n, k, impl="triton").cpu(), expected)
 
 
 def test_kernel_on_a_long_history_spans_several_programs():
@@ -33,7 +33,7 @@ def test_kernel_on_a_long_history_spans_several_programs():
     for max_n in (1, 3, 8):
         expected = ngram_continuation_reference(context, 1, max_n, 5)
         assert expected.numel()
-        assert torch.equal(ngram_continuation(context.to(DEVICE), 1, max_n, 5, backend="triton").cpu(), expected)
+        assert torch.equal(ngram_continuation(context.to(DEVICE), 1, max_n, 5, impl="triton").cpu(), expected)
 
 
 def test_pld_uses_the_dispatcher_with_identical_results():

@@ -7,7 +7,7 @@ import random
 import torch
 from kernel_cases import DEVICE, random_parents
 
-from mtpflow.kernels import pfs_prune, pfs_prune_reference, use_backend
+from mtpflow.kernels import pfs_prune, pfs_prune_reference, use_impl
 
 
 def test_prune_kernel_matches_reference():
@@ -21,7 +21,7 @@ def test_prune_kernel_matches_reference():
             probs[: n // 2] = 0.5  # equal scores: ties go to the lower node index
         threshold, budget = rng.choice([0.0, 0.05, 0.3]), rng.choice([None, 1, 4, 100])
         pfs, keep = pfs_prune_reference(probs, parents, threshold, budget)
-        got_pfs, got_keep = pfs_prune(probs.to(DEVICE), parents, threshold, budget, backend="triton")
+        got_pfs, got_keep = pfs_prune(probs.to(DEVICE), parents, threshold, budget, impl="triton")
         assert torch.equal(got_pfs.cpu(), pfs) and torch.equal(got_keep.cpu(), keep), case
         kept_some |= bool(keep.any())
         pruned_some |= bool((~keep).any())
@@ -36,7 +36,7 @@ def test_reference_scores_are_path_products_and_respect_the_budget():
 
 
 def test_pfs_pruner_keeps_what_its_threshold_and_budget_rule_keeps():
-    """PFSPruner now prunes through pfs_prune; with either backend it keeps what its rule says: PFS over the
+    """PFSPruner now prunes through pfs_prune; with either implementation it keeps what its rule says: PFS over the
     threshold, at most max_nodes of them, best first, ties to the lower node index."""
     from mtpflow.strategies.pfs import PFSPruner, path_scores
     from mtpflow.types import Draft
@@ -51,6 +51,6 @@ def test_pfs_pruner_keeps_what_its_threshold_and_budget_rule_keeps():
         order = sorted(range(n), key=lambda i: (-float(pfs[i]), i))[:max_nodes]
         expected = [bool(pfs[i] >= threshold) and i in order for i in range(n)]
         pruner = PFSPruner(threshold=threshold, adapt=0.0, max_nodes=max_nodes)
-        for backend in ("torch", "triton"):
-            with use_backend(backend):
-                assert pruner.prune(None, draft).tolist() == expected, (case, backend)
+        for impl in ("torch", "triton"):
+            with use_impl(impl):
+                assert pruner.prune(None, draft).tolist() == expected, (case, impl)

@@ -26,7 +26,7 @@ def test_kernel_matches_reference_given_the_same_uniforms():
         q = q if case % 2 else None  # odd cases: draft distributions; even: a deterministic draft (one-hot q)
         expected = speculative_accept_reference(p, q, tokens, uniforms)
         on_device = [None if t is None else t.to(DEVICE) for t in (p, q, tokens, uniforms)]
-        assert speculative_accept(*on_device, backend="triton") == expected, case
+        assert speculative_accept(*on_device, impl="triton") == expected, case
         outcomes.add((q is None, expected[0] == n, expected[0] == 0))
     assert len(outcomes) >= 4  # full accepts and early rejections, with and without draft distributions
 

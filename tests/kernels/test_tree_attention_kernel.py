@@ -1,6 +1,6 @@
 """Tree attention: the flash-decoding Triton kernel against masked softmax attention (random trees, prefix
 lengths, head dims, grouped-query heads, key splits), and the ``mtpflow`` HF attention function inside a tiny
-Llama: same logits as SDPA for tree verify forwards, same tokens for whole decodes, with either backend."""
+Llama: same logits as SDPA for tree verify forwards, same tokens for whole decodes, with either implementation."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_cases import DEVICE, random_parents, tree_allowed
 
-from mtpflow.kernels import tree_attention, tree_attention_reference, use_backend
+from mtpflow.kernels import tree_attention, tree_attention_reference, use_impl
 from mtpflow.kernels.tree_attention_triton import tree_attention_triton
 
 
@@ -23,7 +23,7 @@ def test_kernel_matches_reference():
         k, v = (torch.randn(batch, kv_heads, prefix + nq, head_dim, generator=g) for _ in range(2))
         expected = tree_attention_reference(q, k, v, allowed, prefix)
         qd, kd, vd, ad = (t.to(DEVICE) for t in (q, k, v, allowed))
-        torch.testing.assert_close(tree_attention(qd, kd, vd, ad, prefix, backend="triton").cpu(), expected,
+        torch.testing.assert_close(tree_attention(qd, kd, vd, ad, prefix, impl="triton").cpu(), expected,
                                    atol=1e-4, rtol=1e-4)
         # several key splits merged by log-sum-exp
         split = tree_attention_triton(qd, kd, vd, ad, prefix, head_dim**-0.5, keys_per_split=16)
@@ -61,26 +61,26 @@ def test_tree_verify_logits_equal_sdpa(tiny_mtpflow_attention):
     prompt = torch.tensor([5, 9, 12, 40, 7, 3, 3, 8])
     tree = Draft(torch.tensor([11, 22, 33, 44, 55, 66]), torch.tensor([-1, -1, 0, 1, 3, 0]))
     results = {}
-    for attn, backend in (("sdpa", "torch"), ("mtpflow", "torch"), ("mtpflow", "triton")):
+    for attn, impl in (("sdpa", "torch"), ("mtpflow", "torch"), ("mtpflow", "triton")):
         model.set_attn_implementation(attn)
-        with use_backend(backend):
+        with use_impl(impl):
             target = Target(model)
             target.prefill(prompt[:-1])
             chain = target.verify(int(prompt[-1]), Draft.chain([11, 33]), root_position=7).logits
             target.commit(7, 2, torch.tensor([0, 1]))
             tree_logits = target.verify(33, tree, root_position=9).logits
-        results[attn, backend] = (chain, tree_logits)
+        results[attn, impl] = (chain, tree_logits)
     model.set_attn_implementation("mtpflow")
     for key in (("mtpflow", "torch"), ("mtpflow", "triton")):
         for got, want in zip(results[key], results["sdpa", "torch"]):
             torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_tokens_equal_with_either_backend(tiny_mtpflow_attention):
+def test_decode_tokens_equal_with_either_impl(tiny_mtpflow_attention):
     from helpers import hf_greedy, make_pipeline
 
     ids = [5, 9, 12, 5, 9, 12, 40, 7, 5, 9]
     reference = hf_greedy(tiny_mtpflow_attention.model, ids, 16)  # HF generate through the same attention
-    for backend in ("torch", "triton"):
-        result = make_pipeline(tiny_mtpflow_attention, "pld", "max_new_tokens=16", f"kernels={backend}")(prompt_ids=ids)
-        assert result.token_ids == reference, backend
+    for impl in ("torch", "triton"):
+        result = make_pipeline(tiny_mtpflow_attention, "pld", "max_new_tokens=16", f"kernels={impl}")(prompt_ids=ids)
+        assert result.token_ids == reference, impl

@@ -34,7 +34,7 @@ def test_kernel_matches_reference_on_random_trees():
         argmax, tokens, parents = _case(rng, g)
         ref = greedy_tree_verify_reference(argmax, tokens, parents)
         accepted_somewhere |= ref[0].numel() > 1
-        assert _same(greedy_tree_verify(argmax.to(DEVICE), tokens, parents, backend="triton"), ref), case
+        assert _same(greedy_tree_verify(argmax.to(DEVICE), tokens, parents, impl="triton"), ref), case
     assert accepted_somewhere  # the cases exercise long accepted paths, not only immediate rejections
 
 
@@ -45,10 +45,10 @@ def test_duplicate_siblings_take_the_first_match_like_the_reference():
     parents = torch.tensor([-1, -1, 1])
     ref = greedy_tree_verify_reference(argmax, tokens, parents)
     assert ref[0].tolist() == [0] and ref[1] == 9 and ref[2] is True
-    assert _same(greedy_tree_verify(argmax.to(DEVICE), tokens, parents, backend="triton"), ref)
+    assert _same(greedy_tree_verify(argmax.to(DEVICE), tokens, parents, impl="triton"), ref)
 
 
-def test_torch_backend_is_the_reference():
+def test_torch_impl_is_the_reference():
     argmax = torch.tensor([3, 1, 2])
-    out = greedy_tree_verify(argmax, torch.tensor([3, 1]), torch.tensor([-1, 0]), backend="torch")
+    out = greedy_tree_verify(argmax, torch.tensor([3, 1]), torch.tensor([-1, 0]), impl="torch")
     assert out[0].tolist() == [0, 1] and out[1:] == (2, True)
