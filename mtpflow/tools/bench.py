@@ -96,20 +96,17 @@ def strategy_variant(entry: str) -> tuple[str, list[str]]:
     return name, overrides
 
 
-def run_decode_bench(opts, suite: list[dict] | None = None) -> "pandas.DataFrame":
-    """Every prompt through HF ``generate`` and every strategy, ``repeats`` passes over the suite. State a
-    strategy keeps across requests on purpose (the suffix cache, the token-recycling table) is cleared before each
-    pass, so every pass measures first-time requests (earlier prompts of the pass are in the cache, this one is
-    not). ``repeated=[labels]`` adds a last pass in which those strategies see every prompt a second time,
-    without clearing: the figures for repeated requests (rows labelled ``<label>, repeated``)."""
-    return decode_runs(opts, suite)[0]
-
-
 def decode_runs(opts, suite: list[dict] | None = None):
-    """``run_decode_bench``'s rows, plus what the peers need: the units decoded (one per prompt, or per turn of
-    a Spec-Bench question; their token ids) and the first pipeline (model, tokenizer, config). A Spec-Bench
-    question's second turn (``turns=2``) is the conversation with HF ``generate``'s own first answer, the same
-    prompt for every strategy (a lossless strategy's own answer is HF's)."""
+    """Every prompt through HF ``generate`` and every strategy, ``repeats`` passes over the suite: the rows,
+    plus what the peers need: the units decoded (one per prompt, or per turn of a Spec-Bench question; their
+    token ids) and the first pipeline (model, tokenizer, config).
+
+    State a strategy keeps across requests on purpose (the suffix cache, the token-recycling table) is cleared
+    before each pass, so every pass measures first-time requests (earlier prompts of the pass are in the cache,
+    this one is not). ``repeated=[labels]`` adds a last pass in which those strategies see every prompt a
+    second time, without clearing: the figures for repeated requests (rows labelled ``<label>, repeated``). A
+    Spec-Bench question's second turn (``turns=2``) is the conversation with HF ``generate``'s own first answer,
+    the same prompt for every strategy (a lossless strategy's own answer is HF's)."""
     import pandas as pd
     from tqdm import tqdm
 

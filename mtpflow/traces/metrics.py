@@ -1,6 +1,6 @@
 """Metrics computed from the trace store: per run (``run_metrics``) and aggregated per strategy in Prometheus
-text format (``TraceCollector``), served by ``python -m mtpflow.traces serve`` or mounted by the playground
-(``metrics_asgi_app``).
+text format (``TraceCollector``), served by ``python -m mtpflow.traces serve`` and on the playground's
+``/metrics`` (``exposition``).
 
 Everything is read from the database at scrape time, so every process that records traces (CLI, benchmark,
 playground) shows up in one exporter, and counters only grow as long as runs are not deleted.
@@ -260,13 +260,6 @@ def metrics_registry(store: TraceStore) -> CollectorRegistry:
 def exposition(store: TraceStore) -> bytes:
     """The metrics in Prometheus text format."""
     return generate_latest(metrics_registry(store))
-
-
-def metrics_asgi_app(store: TraceStore):
-    """An ASGI app serving ``/metrics``; the playground mounts it: ``app.mount("/metrics", metrics_asgi_app(s))``."""
-    from prometheus_client import make_asgi_app
-
-    return make_asgi_app(registry=metrics_registry(store))
 
 
 def serve(store: TraceStore, port: int, host: str = "127.0.0.1"):

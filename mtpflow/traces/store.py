@@ -366,10 +366,6 @@ class TraceStore:
             raw.close()
         return not busy
 
-    def integrity_check(self) -> str:
-        with self.engine.connect() as conn:
-            return str(conn.exec_driver_sql("PRAGMA integrity_check").scalar())
-
     # ----- reading (the CLI and the playground) ---------------------------------------------------------
     def list_runs(self, limit: int = 50) -> list[dict]:
         """Most recent runs first: run columns (config and stats parsed) plus ``alive`` for running ones."""

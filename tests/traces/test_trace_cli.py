@@ -119,30 +119,6 @@ def test_exporter_serves_metrics(recorded):
     assert "mtpflow_spec_decode_num_draft_tokens_total" in body
 
 
-def test_mountable_asgi_app(recorded):
-    import asyncio
-    import threading
-
-    from mtpflow.traces.metrics import metrics_asgi_app
-
-    db, _, _ = recorded
-    app = metrics_asgi_app(TraceStore(db))
-    sent = []
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message):
-        sent.append(message)
-
-    scope = {"type": "http", "method": "GET", "path": "/", "query_string": b"", "headers": []}
-    # a thread of its own: an in-process Gradio test earlier in the session may leave this thread's loop running
-    worker = threading.Thread(target=lambda: asyncio.run(app(scope, receive, send)))
-    worker.start()
-    worker.join(timeout=60)
-    assert sent[0]["status"] == 200 and b"mtp_hit_rate" in sent[1]["body"]
-
-
 @pytest.mark.parametrize("kind", ["not_sqlite", "unwritable"])
 def test_main_cli_bad_trace_db_is_one_line_exit_2(tmp_path, kind):
     if kind == "not_sqlite":
