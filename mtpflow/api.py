@@ -16,7 +16,7 @@ from mtpflow.config import compose, effective_temperature, read_prompt, stop_str
 from mtpflow.engine import Engine
 from mtpflow.errors import UserError
 from mtpflow.model import load_configured
-from mtpflow.plugins.manager import build_stages
+from mtpflow.plugins.manager import build_stages, default_run_plugins
 from mtpflow.request import Request, encode_prompt
 from mtpflow.types import DecodeResult, StepRecord
 
@@ -51,6 +51,12 @@ class Pipeline:
         self.loaded = engine.loaded
         self.run_plugins = list(run_plugins)
         self.shared = engine.shared
+
+    def with_overrides(self, overrides: list[str]) -> Pipeline:
+        """A pipeline composed from ``overrides`` (with the config's run plugins) on this one's loaded model: the
+        chat's ``/strategy`` and ``/set``."""
+        cfg = compose(list(overrides))
+        return Pipeline(cfg, run_plugins=default_run_plugins(cfg), loaded=self.loaded)
 
     @property
     def strategy_name(self) -> str:

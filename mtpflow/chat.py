@@ -174,12 +174,7 @@ class Chat:
     # -- commands -----------------------------------------------------------------------------------------
     def rebuild(self, overrides: list[str]) -> None:
         """Swap in a pipeline composed from ``overrides``, on the loaded model; the old one stays on error."""
-        from mtpflow.api import Pipeline
-        from mtpflow.config import compose
-        from mtpflow.plugins.manager import default_run_plugins
-
-        cfg = compose(overrides)
-        self.pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg), loaded=self.pipe.loaded)
+        self.pipe = self.pipe.with_overrides(overrides)
         self.overrides = overrides
 
     def command(self, line: str) -> None:
@@ -276,13 +271,3 @@ def open_history() -> Callable[[], None]:
             pass
 
     return save
-
-
-def run_chat(cfg, overrides: list[str]) -> int:
-    """The chat for ``python -m mtpflow`` with no prompt on a terminal (``cfg`` composed from ``overrides``)."""
-    from mtpflow.api import Pipeline
-    from mtpflow.plugins.manager import default_run_plugins
-
-    print(f"mtpflow: loading {cfg.model.get('name') or 'the default model'} ...", file=sys.stderr, flush=True)
-    pipe = Pipeline(cfg, run_plugins=default_run_plugins(cfg))
-    return Chat(pipe, overrides).run()

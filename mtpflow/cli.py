@@ -65,8 +65,6 @@ def decode(argv: list[str]) -> int:
             if cfg.output == "json":
                 raise UserError("output=json needs a prompt: prompt=\"...\", prompt_file=PATH or text piped "
                                 "on standard input")
-            from mtpflow.chat import run_chat
-
             return run_chat(cfg, argv)
         prompt = read_stdin_prompt()
     else:
@@ -89,3 +87,13 @@ def decode(argv: list[str]) -> int:
     print(f"[{pipe.strategy_name} on {pipe.loaded.model_id}]")
     print(format_stats(result.stats))
     return 0
+
+
+def run_chat(cfg, overrides: list[str]) -> int:
+    """The chat for ``python -m mtpflow`` with no prompt on a terminal (``cfg`` composed from ``overrides``)."""
+    from mtpflow.api import Pipeline
+    from mtpflow.chat import Chat
+    from mtpflow.plugins.manager import default_run_plugins
+
+    print(f"mtpflow: loading {cfg.model.get('name') or 'the default model'} ...", file=sys.stderr, flush=True)
+    return Chat(Pipeline(cfg, run_plugins=default_run_plugins(cfg)), overrides).run()

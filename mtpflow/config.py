@@ -134,11 +134,9 @@ def validate(cfg: DictConfig) -> None:
         check_k("k", cfg.k)
     from mtpflow.backends.execution import ExecutionSpec
     from mtpflow.kernels.dispatch import check_impl_usable
-    from mtpflow.model import resolve_device
 
     spec = ExecutionSpec.from_config(cfg)  # every key that picks how the target computes: one line for a bad one
     check_impl_usable(spec.kernels)
-    resolve_device(spec.device)  # model.device=cuda without CUDA: one line before anything starts
     for stage in ("select_k", "propose", "gate", "rescore", "window"):
         node = cfg.strategy.get(stage)
         if node is not None and not (isinstance(node, DictConfig) and "_target_" in node):

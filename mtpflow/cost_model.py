@@ -89,7 +89,7 @@ def context_backend(context):
     the ``hf`` backend over its model)."""
     backend = getattr(context, "backend", None)
     if backend is None:
-        from mtpflow.backends import reference
+        from mtpflow.backends.hf import reference
 
         backend = reference(context.model)
     return backend

@@ -115,6 +115,7 @@ class RequestHandle:
 
     def result(self, timeout: float | None = None) -> DecodeResult:
         """Wait for the end; a failed request raises its error (a UserError for the caller's mistakes)."""
+        self._waiting()
         with self._cond:
             if not self._cond.wait_for(lambda: self.done, timeout):
                 raise TimeoutError(f"request {self.id} is still {self.status}")
@@ -140,6 +141,7 @@ class RequestHandle:
     def stream(self) -> Iterator[str]:
         """Text pieces as tokens commit. Leaving the loop early (break, an exception) cancels the request."""
         cursor, finished = _PieceCursor(self), False
+        self._waiting()
         try:
             while not finished:
                 with self._cond:
@@ -182,7 +184,13 @@ class RequestHandle:
             if not finished:
                 self.cancel()
 
+    def _waiting(self) -> None:
+        """The calling thread is about to wait for the engine: what it holds (idle OpenMP workers) would slow the
+        engine's thread down (``Backend.thread_idle``)."""
+        self.engine.backend.thread_idle()
+
     def _attach(self) -> asyncio.Event:
+        self._waiting()
         event = asyncio.Event()
         self._async_events.append((asyncio.get_running_loop(), event))
         if self.done or self._tokens:
@@ -332,7 +340,6 @@ class Engine:
             self._queue.append(handle)
             self._start_thread()
             self._lock.notify_all()
-        self.backend.thread_idle()  # this thread now mostly waits: what it holds would slow the engine's thread
         return handle
 
     def submit_many(self, requests: list[Request], **kwargs) -> list[RequestHandle]:

@@ -1,8 +1,9 @@
-"""The host-measurement cache: where mtpflow keeps what it measures on this machine (``cache_dir``,
-``measurement_path``), what the machine is (``cpu_name``, ``cpu_flags``, ``host_facts``), and the tuning profile,
-one versioned JSON file per host that holds every cost measurement (``load_profile``, ``update_profile``).
+"""The tuning profile: one versioned JSON file per host that holds every cost measurement (``load_profile``,
+``update_profile``). Where mtpflow keeps what it measures and what the machine is (``cache_dir``,
+``measurement_path``, ``cpu_name``, ``host_facts``) are ``mtpflow.machine``'s, a leaf the native kernel's build
+reads too; they are re-exported here.
 
-A leaf module: it imports nothing from mtpflow but ``mtpflow.errors``, so kernels and backends can use it.
+It imports nothing from mtpflow but ``mtpflow.errors`` and ``mtpflow.machine``.
 
 The profile (written by ``python -m mtpflow.tune``, or by the first run that needs a missing entry)::
 
@@ -20,81 +21,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import sys
 import threading
 from pathlib import Path
 from typing import Callable
 
 from mtpflow.errors import UserError
+from mtpflow.machine import (  # noqa: F401 (re-exported: the profile's callers take them from here)
+    FLAGS, cache_dir, cpu_flags, cpu_name, host_facts, measurement_path, torch_threads,
+)
 
 PROFILE_VERSION = 1
 PROFILE_ENV = "MTPFLOW_PROFILE"
 ANY_CPU = "*"  # a profile whose host.cpu is this is read on any host (tests, reproducible setups)
 TUNING_NOTICE = ("mtpflow: no tuning profile for this host and model; measuring it once "
                  "(python -m mtpflow.tune does this ahead of time)")
-# CPU features that decide which kernels run (recorded in the profile, and keyed by the native build)
-FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-         "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "sve")
-
-
-def cache_dir() -> Path:
-    """Where mtpflow keeps converted models, traces and measurements (``MTPFLOW_CACHE`` overrides)."""
-    root = os.environ.get("MTPFLOW_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "mtpflow"
-    )
-    return Path(root)
-
-
-def measurement_path(kind: str, *key) -> Path:
-    """``cache_dir()/kind/<hash of key>.json``: where a measurement or build (CPU linear plans, the native kernel)
-    keyed by ``key`` (JSON-serialisable) is kept."""
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / kind / f"{digest}.json"
-
-
 def _write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}-{threading.get_ident()}")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(path)
-
-
-# ----- what this machine is -------------------------------------------------------------------------------------
-def _cpuinfo_field(*names: str) -> str | None:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() in names:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``/proc/cpuinfo``, else ``platform``): measurements of CPU speed are kept per CPU."""
-    return _cpuinfo_field("model name") or platform.processor() or platform.machine()
-
-
-def cpu_flags() -> list[str]:
-    """The CPU features of FLAGS this CPU has (``/proc/cpuinfo``; empty where it cannot be read)."""
-    have = set((_cpuinfo_field("flags", "Features") or "").split())
-    return [f for f in FLAGS if f in have]
-
-
-def torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
-
-
-def host_facts() -> dict:
-    """What a profile records about the machine it was measured on."""
-    import torch
-
-    return {"cpu": cpu_name(), "flags": cpu_flags(), "cores": os.cpu_count() or 1, "threads": torch_threads(),
-            "torch": torch.__version__}
 
 
 # ----- the tuning profile -----------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from mtpflow.backends import ExecutionSpec, quantize_int8
-from mtpflow.backends.execution import check_quantize
+from mtpflow.backends.execution import check_quantize, resolve_device
 from mtpflow.errors import UserError
 from mtpflow.host import cache_dir
 
@@ -47,29 +47,6 @@ class LoadedModel:
     # model.quantize=int8: the int8 model's weights (mtpflow.backends.native.int8_reference, which defines its numerics);
     # the model's own decoder and head weights are freed (its HF forward cannot run), the native_cpu backend runs it
     int8: object | None = None
-
-
-def resolve_device(device: str) -> torch.device:
-    """The torch device for ``model.device`` (auto, cpu, cuda, cuda:N, mps), or one UserError line when this
-    machine has no such device: checked before anything is loaded."""
-    if device in (None, "", "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(str(device))
-    except (RuntimeError, TypeError, ValueError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
-        raise UserError(f"model.device: unknown device {device!r} (use auto, cpu, cuda or cuda:N)")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"model.device={device} but CUDA is not available on this machine")
-        count = torch.cuda.device_count()
-        if dev.index is not None and dev.index >= count:
-            raise UserError(f"model.device={device} but this machine has {count} CUDA device"
-                            f"{'' if count == 1 else 's'} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
-    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
-        raise UserError(f"model.device={device} but MPS is not available on this machine")
-    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

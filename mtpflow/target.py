@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mtpflow.backends import reference
+from mtpflow.backends.hf import reference
 from mtpflow.forward import taps_of
 from mtpflow.kv_cache import KVPool, SequenceKV
 from mtpflow.prefix_cache import PrefixKVCache, block_hashes
@@ -26,7 +26,7 @@ class Target:
         self.backend = backend
         self.model = backend.model
         self.device = backend.device
-        # which hidden states its forwards return (``mtpflow.forward.hidden_taps``): () none, (-1,) the last one
+        # which hidden states its forwards return (``mtpflow.types.hidden_taps``): () none, (-1,) the last one
         self.taps = taps_of(need_hidden)
         self.pool = pool or KVPool(self.model, max_slots=1)  # standalone use (tests, cost measurements)
         self.kv = SequenceKV(self.pool)

@@ -14,17 +14,11 @@ import sys
 
 from mtpflow.backends.base import Backend
 from mtpflow.backends.execution import ExecutionSpec, check_backend
-from mtpflow.backends.hf import HFBackend
+from mtpflow.backends.hf import HFBackend, reference
 from mtpflow.errors import UserError
 
 __all__ = ["Backend", "ExecutionSpec", "create", "int8_reference", "native_not_applicable", "quantize_int8",
            "reference"]
-
-def reference(model, spec: ExecutionSpec | None = None) -> Backend:
-    """The ``hf`` backend over ``model``: the reference every other backend is tested against, and what a
-    forward outside an engine (a tool, a cost measurement without one) runs."""
-    return HFBackend(model, lean=spec.lean_forward if spec is not None else True)
-
 
 def native_not_applicable(model) -> str | None:
     """Why the ``native_cpu`` backend cannot run ``model`` (one line), or None where it can."""

@@ -105,3 +105,29 @@ class Backend:
         if self.fallbacks:
             out["backend_fallbacks"] = dict(self.fallbacks)
         return out
+
+
+def tree_allowed(parents: torch.Tensor) -> torch.Tensor:
+    """[1 + num_nodes, 1 + num_nodes] bool: row i may attend to column j (the root, itself, its ancestors)."""
+    n = int(parents.numel())
+    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    allowed[:, 0] = True  # every node sees the root
+    for i, p in enumerate(parents.tolist()):
+        row = i + 1
+        allowed[row, row] = True
+        if p >= 0:
+            allowed[row] |= allowed[p + 1]
+    return allowed
+
+
+def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.float32) -> torch.Tensor:
+    """[1, 1, 1 + num_nodes, cached_len + 1 + num_nodes] additive mask for the root plus the draft nodes.
+
+    Every row sees the cached prefix, the root and its own ancestors (itself included); 0 where allowed,
+    the dtype's minimum where blocked.
+    """
+    allowed = tree_allowed(parents)
+    n = allowed.shape[0]
+    mask = torch.zeros(n, cached_len + n, dtype=dtype)
+    mask[:, cached_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
+    return mask[None, None]

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from mtpflow.errors import ConfigError, check_int
 
 BACKENDS = ("auto", "hf", "native_cpu", "cuda_graph")
@@ -55,6 +57,29 @@ def check_graph_rows(rows, capacity: int) -> tuple[int, ...]:
     return buckets
 
 
+def resolve_device(device: str) -> torch.device:
+    """The torch device for ``model.device`` (auto, cpu, cuda, cuda:N, mps), or one UserError line when this
+    machine has no such device: checked before anything is loaded."""
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(str(device))
+    except (RuntimeError, TypeError, ValueError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"model.device: unknown device {device!r} (use auto, cpu, cuda or cuda:N)")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"model.device={device} but CUDA is not available on this machine")
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ConfigError(f"model.device={device} but this machine has {count} CUDA device"
+                            f"{'' if count == 1 else 's'} (cuda:0{f' to cuda:{count - 1}' if count > 1 else ''})")
+    if dev.type == "mps" and not (hasattr(torch.backends, "mps") and torch.backends.mps.is_available()):
+        raise ConfigError(f"model.device={device} but MPS is not available on this machine")
+    return dev
+
+
 @dataclass(frozen=True)
 class ExecutionSpec:
     """What computes the target's forwards, as the user asked for it (``auto`` values are resolved against the model
@@ -74,14 +99,15 @@ class ExecutionSpec:
     @classmethod
     def from_config(cls, cfg) -> ExecutionSpec:
         """The spec of a composed config (its ``model`` group and ``kernels``), every value checked: one
-        ConfigError line for the first bad one. A device this machine lacks is checked when the model loads
-        (``mtpflow.model.resolve_device``)."""
+        ConfigError line for the first bad one, a device this machine lacks included (``resolve_device``)."""
         m = cfg.get("model") or {}
         backend = check_backend(m.get("backend", "auto"))
         quantize = check_quantize(m.get("quantize"))
         if quantize and backend not in ("auto", "native_cpu"):
             raise ConfigError(f"model.quantize={quantize} runs on the native_cpu backend, not model.backend={backend} "
                               "(use model.backend=auto or native_cpu)")
+        device = str(m.get("device") or "auto")
+        resolve_device(device)
         dtype = "auto" if m.get("dtype") is None else str(m.get("dtype"))
         if dtype not in DTYPES:
             raise ConfigError(f"model.dtype: unknown dtype {dtype!r} (use one of {', '.join(DTYPES)})")
@@ -94,7 +120,7 @@ class ExecutionSpec:
         return cls(backend=backend, quantize=quantize,
                    certified_head=check_flag("model.certified_head", m.get("certified_head", True)),
                    lean_forward=check_flag("model.lean_forward", m.get("lean_forward", True)),
-                   device=str(m.get("device") or "auto"), dtype=dtype,
+                   device=device, dtype=dtype,
                    attn_implementation=str(m.get("attn_implementation") or "auto"), graph_capacity=capacity,
                    graph_rows=rows, kernels=str(kernels))
 

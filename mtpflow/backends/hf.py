@@ -11,38 +11,12 @@ import time
 import torch
 
 from mtpflow import forward as lean_forward
-from mtpflow.backends.base import Backend
+from mtpflow.backends.base import Backend, tree_allowed, tree_attention_mask  # noqa: F401 (the masks, re-exported)
 from mtpflow.kv_cache import BatchCache
 from mtpflow.types import Verification
 
 # prompt rows per packed prefill forward: bounds its activations; a longer prompt is prefilled alone
 PACKED_PREFILL_ROWS = 2048
-
-
-def tree_allowed(parents: torch.Tensor) -> torch.Tensor:
-    """[1 + num_nodes, 1 + num_nodes] bool: row i may attend to column j (the root, itself, its ancestors)."""
-    n = int(parents.numel())
-    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    allowed[:, 0] = True  # every node sees the root
-    for i, p in enumerate(parents.tolist()):
-        row = i + 1
-        allowed[row, row] = True
-        if p >= 0:
-            allowed[row] |= allowed[p + 1]
-    return allowed
-
-
-def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.float32) -> torch.Tensor:
-    """[1, 1, 1 + num_nodes, cached_len + 1 + num_nodes] additive mask for the root plus the draft nodes.
-
-    Every row sees the cached prefix, the root and its own ancestors (itself included); 0 where allowed,
-    the dtype's minimum where blocked.
-    """
-    allowed = tree_allowed(parents)
-    n = allowed.shape[0]
-    mask = torch.zeros(n, cached_len + n, dtype=dtype)
-    mask[:, cached_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
-    return mask[None, None]
 
 
 def own_taps(hidden: torch.Tensor, taps: tuple[int, ...], own: tuple[int, ...]) -> torch.Tensor:
@@ -198,3 +172,10 @@ class HFBackend(Backend):
             h = own_taps(hidden[slot, :n], taps, target.taps) if hidden is not None and target.taps else None
             results.append(Verification(logits=logits[slot, :n], hidden=h, forward_seconds=seconds))
         return results
+
+
+def reference(model, spec=None) -> Backend:
+    """The ``hf`` backend over ``model``: the reference every other backend is tested against, and what a forward
+    outside an engine (a bare ``Target``, a cost measurement without an engine) runs. ``spec``: an
+    ``ExecutionSpec`` whose ``lean_forward`` it follows."""
+    return HFBackend(model, lean=spec.lean_forward if spec is not None else True)

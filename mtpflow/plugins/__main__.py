@@ -55,7 +55,7 @@ def class_hooks(target: str) -> list[str] | str:
     from hydra.utils import get_object
 
     try:
-        return list(entry_points.hooks_of(get_object(target)))
+        return list(hookspecs.hooks_of(get_object(target)))
     except Exception as exc:
         return f"cannot import: {entry_points.one_line(exc)}"
 
@@ -71,7 +71,7 @@ def describe() -> dict:
     builtin_targets = strategy_targets(conf_dir() / "strategy")
     builtin = {
         "name": "mtpflow (built-in)",
-        "hooks": {"mtpflow.plugins.defaults.CoreDefaults": list(entry_points.hooks_of(CoreDefaults))},
+        "hooks": {"mtpflow.plugins.defaults.CoreDefaults": list(hookspecs.hooks_of(CoreDefaults))},
         "stage_classes": _stage_classes(builtin_targets),
         "strategies": sorted(builtin_targets),
     }

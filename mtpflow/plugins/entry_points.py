@@ -9,7 +9,6 @@ The config reads the strategy folders from here (``plugin_strategy_dirs``); this
 """
 from __future__ import annotations
 
-import difflib
 import functools
 import importlib.metadata
 import inspect
@@ -115,31 +114,6 @@ def owner_label(module: str) -> str | None:
     return f"package {dist}" if dist else None
 
 
-def hooks_of(obj: object) -> tuple[str, ...]:
-    """Names of the hook implementations an object (module, class or instance) carries, in definition order."""
-    marker = f"{hookspecs.PROJECT}_impl"
-    names = []
-    for name in dir(obj):
-        try:
-            attr = getattr(obj, name)
-        except Exception:  # a property that fails on the class
-            continue
-        if callable(attr) and getattr(attr, marker, None) is not None:
-            names.append(name)
-    return tuple(names)
-
-
-def unknown_hooks(obj: object) -> list[str]:
-    """'name (did you mean X?)' for every hook implementation whose name is no hookspec (a misspelling)."""
-    known = set(hookspecs.specs())
-    out = []
-    for name in hooks_of(obj):
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=1)
-            out.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    return out
-
-
 @functools.lru_cache(maxsize=4)
 def _load_all(raw_selection: str | None) -> tuple[ThirdPartyPlugin, ...]:
     wanted = selected_names(raw_selection)
@@ -176,8 +150,8 @@ def _load_one(ep, dist: str) -> ThirdPartyPlugin:
         obj = ep.load()
     except Exception as exc:  # an import error, or any exception the module raises while importing
         return broken(f"cannot import {ep.value}: {one_line(exc)}")
-    hooks = hooks_of(obj)
-    if misspelled := unknown_hooks(obj):
+    hooks = hookspecs.hooks_of(obj)
+    if misspelled := hookspecs.unknown_hooks(obj):
         return broken(f"{ep.value} implements unknown hook {', '.join(misspelled)}")
     instance = obj
     if inspect.isclass(obj):

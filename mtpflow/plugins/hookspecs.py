@@ -9,6 +9,8 @@ Plugin-level hooks (``PLUGIN_LEVEL``, at the end): what an installed third-party
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -113,3 +115,30 @@ def new_manager() -> pluggy.PluginManager:
     pm = pluggy.PluginManager(PROJECT)
     pm.add_hookspecs(sys.modules[__name__])
     return pm
+
+
+def hooks_of(obj: object) -> tuple[str, ...]:
+    """Names of the hook implementations an object (module, class or instance) carries, in definition order."""
+    marker = f"{PROJECT}_impl"
+    names = []
+    # an instance's hooks are its class's functions: read them there, so no property of the instance runs
+    owner = obj if inspect.ismodule(obj) or inspect.isclass(obj) else type(obj)
+    for name in dir(owner):
+        try:
+            attr = getattr(owner, name)
+        except Exception:  # a descriptor that fails on the class
+            continue
+        if callable(attr) and getattr(attr, marker, None) is not None:
+            names.append(name)
+    return tuple(names)
+
+
+def unknown_hooks(obj: object) -> list[str]:
+    """'name (did you mean X?)' for every hook implementation whose name is no hookspec (a misspelling)."""
+    known = set(specs())
+    out = []
+    for name in hooks_of(obj):
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=1)
+            out.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return out

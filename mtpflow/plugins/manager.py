@@ -16,19 +16,22 @@ from omegaconf import DictConfig, OmegaConf
 from mtpflow.errors import PluginError, UserError
 from mtpflow.plugins import hookspecs
 from mtpflow.plugins.defaults import CoreDefaults
-from mtpflow.plugins.entry_points import one_line, owner_label, plugin_object, unknown_hooks
+from mtpflow.plugins.entry_points import one_line, owner_label, plugin_object
 
 STAGES = ("select_k", "propose", "prune", "gate", "dedup", "rescore", "window")
 FILTER_STAGES = ("prune", "dedup")  # these take a list of implementations
 
 
 def make_plugin_manager(strategy: DictConfig, extra_plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
+    """A run's manager: the strategy's stage objects are built first, then each is named by its owner (a
+    third-party plugin or mtpflow), then registered against the hook specs: the work goes down the layers in
+    that order (strategies, entry points, specs) and never back up (tests/unit/test_layout.py walks it)."""
+    objects = [("mtpflow.core", CoreDefaults()), *build_stages(strategy),
+               *((f"run.plugin[{i}]:{type(obj).__name__}", obj) for i, obj in enumerate(extra_plugins))]
+    labels = [owner_label(_module_of(obj)) for _, obj in objects]
     pm = hookspecs.new_manager()
-    pm.register(CoreDefaults(), name="mtpflow.core")
-    for name, obj in build_stages(strategy):
-        _register(pm, obj, name)
-    for i, obj in enumerate(extra_plugins):
-        _register(pm, obj, f"run.plugin[{i}]:{type(obj).__name__}")
+    for (name, obj), label in zip(objects, labels):
+        _register(pm, obj, name, label)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -84,11 +87,14 @@ def _owner_prefix(node) -> str:
     return f"{label}: " if label else ""
 
 
-def _register(pm: pluggy.PluginManager, obj: object, name: str) -> None:
-    module = getattr(obj, "__name__", None) if inspect.ismodule(obj) else type(obj).__module__
-    label = owner_label(module or "")
+def _module_of(obj: object) -> str:
+    return (getattr(obj, "__name__", None) if inspect.ismodule(obj) else type(obj).__module__) or ""
+
+
+def _register(pm: pluggy.PluginManager, obj: object, name: str, label: str | None) -> None:
+    """Register ``obj`` as ``name``; ``label``: the third-party plugin it comes from (``owner_label``) or None."""
     where = f"{label}, {name}" if label else name
-    if misspelled := unknown_hooks(obj):  # pluggy would only say "unknown hook" without a hint
+    if misspelled := hookspecs.unknown_hooks(obj):  # pluggy would only say "unknown hook" without a hint
         raise PluginError(f"{where} ({_qualname(obj)}) implements unknown hook {', '.join(misspelled)}")
     try:
         pm.register(obj, name=name)

@@ -212,7 +212,7 @@ def write_manifest(out: Path, argv: list[str], opts, overrides: list[str], serve
     """The run's manifest: the server's model, dtype, device and backend as its config composes them (the
     server runs in another process; the trace database's temporary path left out)."""
     from mtpflow.config import compose
-    from mtpflow.model import resolve_device
+    from mtpflow.backends.execution import resolve_device
     from mtpflow.tools import manifest
 
     composed = [o for o in overrides if not o.startswith("trace.db=")]

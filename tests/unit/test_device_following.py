@@ -97,7 +97,7 @@ def test_cuda_on_a_machine_without_cuda_is_one_line_and_exit_2(tmp_path):
 
 def test_resolve_device_refuses_devices_this_machine_lacks():
     from mtpflow.errors import UserError
-    from mtpflow.model import resolve_device
+    from mtpflow.backends.execution import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import mtpflow
 
 COMMANDS = ("bench", "train_heads", "train_domain", "tune")  # python -m mtpflow.<name>: entry points into mtpflow.tools
@@ -82,7 +84,8 @@ def test_transformers_imports_from_the_checkout_as_working_directory():
 # only mtpflow.backends imports it
 NATIVE = "mtpflow.backends.native"
 # what the kernels and the host-measurement cache may import of mtpflow: nothing above them
-LEAVES = {"mtpflow.kernels": ("mtpflow.kernels", "mtpflow.errors", "mtpflow.host"), "mtpflow.host": ("mtpflow.errors",)}
+LEAVES = {"mtpflow.kernels": ("mtpflow.kernels", "mtpflow.errors", "mtpflow.host"), "mtpflow.host": ("mtpflow.errors", "mtpflow.machine"),
+          "mtpflow.machine": ()}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -225,3 +228,96 @@ def test_checking_a_request_needs_no_forward_backend_or_strategy():
 def test_the_reachability_checks_see_what_they_guard():
     graph = {"mtpflow.request": {"mtpflow.errors"}, "mtpflow.errors": {"mtpflow.forward"}, "mtpflow.forward": set()}
     assert imported_by(graph, "mtpflow.request") == {"mtpflow.errors", "mtpflow.forward"}
+
+
+# ----- floors and the walk of a request ----------------------------------------------------------------------------
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 for a module that imports no other mtpflow module (the ground), else one above the
+    highest module it imports. The import graph has no cycles, so every floor is defined."""
+    import functools
+
+    @functools.lru_cache(maxsize=None)
+    def floor(module: str) -> int:
+        return 1 + max((floor(d) for d in graph[module]), default=0)
+
+    return {m: floor(m) for m in graph}
+
+
+def test_at_most_12_floors_from_main_to_the_ground():
+    graph = import_graph()
+    floor = floors(graph)
+    assert floor["mtpflow.__main__"] <= 12, floor["mtpflow.__main__"]
+    assert floor["mtpflow.playground.__main__"] <= 12
+    assert floor["mtpflow.errors"] == 1
+
+
+def walk_of_submit(engine, request) -> list[str]:
+    """The mtpflow modules a call of ``engine.submit(request)`` goes into, in order: a call from one module into
+    another records the callee's module (repeats in a row kept once). The ground (floor-1 modules: errors, types,
+    ...) is left out, since every floor calls it; a strategy's own stage objects are the strategy's business: what
+    their construction calls is left out, and the stage modules it enters in a row are one step."""
+    import sys as _sys
+
+    graph = import_graph()
+    floor = floors(graph)
+    walk: list[str] = []
+
+    def inside_a_stage(frame) -> bool:
+        frame = frame.f_back
+        while frame is not None:
+            if frame.f_globals.get("__name__", "").startswith("mtpflow.strategies."):
+                return True
+            frame = frame.f_back
+        return False
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        module = frame.f_globals.get("__name__", "")
+        caller = frame.f_back.f_globals.get("__name__", "") if frame.f_back is not None else ""
+        if module not in graph or module == caller or floor[module] == 1 or inside_a_stage(frame):
+            return
+        stage = module.startswith("mtpflow.strategies.")
+        if not walk or (walk[-1] != module and not (stage and walk[-1].startswith("mtpflow.strategies."))):
+            walk.append(module)  # the stage modules one strategy's construction enters count as one step
+
+    _sys.setprofile(profile)
+    try:
+        handle = engine.submit(request)
+    finally:
+        _sys.setprofile(None)
+    handle.result()
+    return walk
+
+
+def climbs(walk: list[str]) -> list[tuple[str, str]]:
+    """The steps of a walk that go into a module on a higher floor than the one before."""
+    floor = floors(import_graph())
+    return [(a, b) for a, b in zip(walk, walk[1:]) if floor[b] > floor[a]]
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "pld", "mtp"])
+def test_a_request_climbs_back_up_at_most_once(strategy):
+    """From ``Engine.submit`` a request goes down: the request checked (request), its stage objects built
+    (plugins.manager, the strategy), named by their owners (plugins.entry_points), registered against the specs
+    (plugins.hookspecs); the one step up is from the request's checks to the plugin manager."""
+    from helpers import make_pipeline, tiny_loaded
+
+    from mtpflow.request import Request
+
+    engine = make_pipeline(tiny_loaded(seed=0), strategy, "max_new_tokens=2", "trace=off").engine
+    try:
+        engine.generate(Request(prompt_ids=[5, 6, 7]))  # the strategy composed, caches warm
+        request = Request(prompt_ids=[5, 6, 7, 8])
+        walk = walk_of_submit(engine, request)
+    finally:
+        engine.close()
+    assert walk[0] == "mtpflow.engine" and "mtpflow.plugins.manager" in walk, walk
+    assert len(climbs(walk)) <= 1, (walk, climbs(walk))
+
+
+def test_the_walk_counts_what_it_should():
+    assert climbs(["mtpflow.engine", "mtpflow.request", "mtpflow.plugins.manager"]) == \
+        [("mtpflow.request", "mtpflow.plugins.manager")]
+    assert climbs(["mtpflow.engine", "mtpflow.plugins.manager", "mtpflow.plugins.hookspecs"]) == []

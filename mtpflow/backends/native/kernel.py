@@ -105,7 +105,7 @@ def source_hash() -> str:
 def build_path(cc: str) -> Path | None:
     """Where the build for compiler ``cc`` on this CPU is cached (None when ``cc`` cannot even report its
     version)."""
-    from mtpflow.host import cpu_name, measurement_path
+    from mtpflow.machine import cpu_name, measurement_path
 
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout

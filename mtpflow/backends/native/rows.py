@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpflow.backends.hf import tree_allowed
+from mtpflow.backends.base import tree_allowed
 
 
 @dataclass
