@@ -5,7 +5,10 @@
     for piece in engine.stream(Request(prompt="Tell me a joke")): print(piece, end="")
     handle = engine.submit(Request(prompt="...")); handle.cancel()
 
-A FIFO queue feeds a running batch of at most ``max_batch_size`` sequences. Each step, every running
+A FIFO queue feeds a running batch of at most ``max_batch_size`` sequences. Admission is bounded
+(``engine.max_waiting`` requests waiting, optionally ``engine.max_wait_seconds`` in the queue): past a bound a
+request is refused (``QueueFull``) rather than queued forever; a request's deadline (its ``timeout``, else
+``engine.request_timeout``) ends it where it stands and frees its slot (``DeadlineExceeded``). Each step, every running
 sequence drafts with its own stages, ONE target forward verifies all drafts (``mtpflow.loop.decode_step``),
 and each commits its own tokens. Requests join and leave between steps; the requests admitted together are
 prefilled together (packed rows), and while others decode at most ``prefill_tokens_per_step`` prompt tokens join
@@ -21,16 +24,19 @@ import atexit
 import collections
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
-from mtpflow.errors import UserError, check_int, debug_enabled, describe, internal_cause, traceback_text
+from mtpflow.errors import (ConfigError, UserError, check_int, check_range, debug_enabled, describe, internal_cause,
+                            traceback_text)
 from mtpflow.backends import ExecutionSpec, create as create_backend
 from mtpflow.kernels.dispatch import use_impl
 from mtpflow.loop import Sequence, StepCallback, decode_step
@@ -49,7 +55,53 @@ WAITING, RUNNING, COMPLETE, FAILED, INTERRUPTED = "waiting", "running", "complet
 
 
 class QueueFull(UserError):
-    """The engine's waiting queue is at its bound (``max_waiting``): try again later."""
+    """The engine's waiting queue is at its bound (``engine.max_waiting``): try again later."""
+
+
+class QueueTimeout(QueueFull):
+    """The request waited in the queue longer than ``engine.max_wait_seconds`` and was refused: try again later."""
+
+
+class DeadlineExceeded(UserError):
+    """The request ran past its deadline (its ``timeout``, else ``engine.request_timeout``) and was ended."""
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The engine's admission bounds (config ``engine.*``): ``max_waiting`` requests may wait beyond a full
+    batch; a request may wait ``max_wait_seconds`` in the queue (None: no bound); a request without its own
+    ``timeout`` gets ``request_timeout`` seconds from submit to its end (None: no deadline)."""
+
+    max_waiting: int = 64
+    max_wait_seconds: float | None = None
+    request_timeout: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg) -> Admission:
+        """Read ``engine.max_waiting``, ``engine.max_wait_seconds`` and ``engine.request_timeout``. The old
+        top-level ``max_waiting`` still works: when set (not null) it is the bound; set to another value than
+        ``engine.max_waiting`` as well, it is a ConfigError (which one was meant is unknowable)."""
+        node = cfg.get("engine") or {}
+        waiting = node.get("max_waiting", 64)
+        legacy = cfg.get("max_waiting")
+        if legacy is not None:
+            if node.get("max_waiting") not in (None, cls.max_waiting, legacy):
+                raise ConfigError(f"max_waiting ({legacy!r}) and engine.max_waiting ({node.get('max_waiting')!r}) "
+                                  "disagree: set engine.max_waiting only (max_waiting is its old spelling)")
+            waiting = legacy
+        return cls(max_waiting=check_int("engine.max_waiting", waiting, 0),
+                   max_wait_seconds=_seconds("engine.max_wait_seconds", node.get("max_wait_seconds")),
+                   request_timeout=_seconds("engine.request_timeout", node.get("request_timeout")))
+
+
+def _seconds(name: str, value) -> float | None:
+    """A positive, finite number of seconds, or None (no bound)."""
+    if value is None:
+        return None
+    seconds = float(check_range(name, value, 0, None, low_inclusive=False))
+    if not math.isfinite(seconds):
+        raise ConfigError(f"{name} must be a finite number of seconds or null, got {value!r}")
+    return seconds
 
 
 class EngineClosed(UserError):
@@ -67,6 +119,13 @@ class RequestHandle:
         self.status = WAITING
         self.submitted_at = time.perf_counter()
         self.finished_at: float | None = None
+        admission = engine.admission
+        timeout = prepared.timeout if prepared.timeout is not None else admission.request_timeout
+        self.timeout = timeout
+        # perf_counter times past which the engine ends the request (None: no bound)
+        self.deadline = None if timeout is None else self.submitted_at + timeout
+        wait = admission.max_wait_seconds
+        self.wait_deadline = None if wait is None else self.submitted_at + wait
         self._user_on_step = on_step
         self._plugin_manager = plugin_manager  # this request's own stage objects and run plugins
         self._tokens: list[int] = []
@@ -164,6 +223,17 @@ class RequestHandle:
             self._detach(event)
         return self.result()
 
+    async def astarted(self) -> None:
+        """Wait (asyncio) until the first token has committed or the request has ended: refused from the queue,
+        failed, cancelled. The server answers with a status line only then, so a refusal is a real 429."""
+        event = self._attach()
+        try:
+            while not (self._tokens or self.done):
+                await event.wait()
+                event.clear()
+        finally:
+            self._detach(event)
+
     async def astream(self):
         """``stream()`` for asyncio code: an async iterator of text pieces; closing it early cancels."""
         event = self._attach()
@@ -235,7 +305,8 @@ class Engine:
         validate(cfg)
         self.cfg = cfg
         self.max_batch_size = check_int("max_batch_size", cfg.get("max_batch_size", 8), 1, 256)
-        self.max_waiting = check_int("max_waiting", cfg.get("max_waiting", 1024), 0)
+        self.admission = Admission.from_config(cfg)
+        self.max_waiting = self.admission.max_waiting
         self.prefill_tokens_per_step = check_int("prefill_tokens_per_step", cfg.get("prefill_tokens_per_step", 512), 1)
         # prompt prefixes' KV reused across requests (mtpflow.prefix_cache), in RunContext.shared; 0 turns it off
         self.prefix_cache_bytes = check_int("prefix_cache_mb", cfg.get("prefix_cache_mb", 256), 0) * 2**20
@@ -316,9 +387,15 @@ class Engine:
                strategy_config: DictConfig | None = None, keep_steps: bool = False,
                wait: bool = False) -> RequestHandle:
         """Queue a request; returns at once. Raises UserError for a bad request, QueueFull when the waiting
-        queue is at ``max_waiting``, EngineClosed after ``shutdown``. ``keep_steps`` keeps every step's
+        queue is at ``engine.max_waiting``, EngineClosed after ``shutdown``. ``keep_steps`` keeps every step's
         record in the result (the playground and tests read them); ``on_step(record, tokens)`` is called in the
-        engine thread after each step. ``wait`` blocks while the queue is full instead of raising QueueFull."""
+        engine thread after each step. ``wait`` blocks while the queue is full instead of raising QueueFull.
+        A full queue is checked first too, before the request is tokenized: under overload a refusal costs
+        next to nothing and comes at once."""
+        if not wait:
+            with self._lock:
+                if self._full():
+                    raise self._queue_full()
         prepared, _ = self.prepare(request, strategy_config)
         if self._closing:
             raise EngineClosed("the engine is shutting down and takes no new requests")
@@ -330,17 +407,24 @@ class Engine:
         with self._lock:
             if self._closing:
                 raise EngineClosed("the engine is shutting down and takes no new requests")
-            full = lambda: len(self._queue) + len(self._running) >= self.max_batch_size + self.max_waiting  # noqa: E731
             if wait:
-                self._lock.wait_for(lambda: not full() or self._closing)
+                self._lock.wait_for(lambda: not self._full() or self._closing)
                 if self._closing:
                     raise EngineClosed("the engine is shutting down and takes no new requests")
-            if full():
-                raise QueueFull(f"too many requests waiting ({len(self._queue)}); try again shortly")
+            if self._full():
+                raise self._queue_full()
             self._queue.append(handle)
             self._start_thread()
             self._lock.notify_all()
         return handle
+
+    def _full(self) -> bool:
+        """No room: a full batch and ``max_waiting`` more (called with the lock held)."""
+        return len(self._queue) + len(self._running) >= self.max_batch_size + self.max_waiting
+
+    def _queue_full(self) -> QueueFull:
+        return QueueFull(f"the server is at capacity: {len(self._running)} requests running and "
+                         f"{len(self._queue)} waiting (engine.max_waiting is {self.max_waiting}); try again shortly")
 
     def submit_many(self, requests: list[Request], **kwargs) -> list[RequestHandle]:
         """Queue several requests at once (``submit(..., wait=True)`` each, with the same keywords): the queue
@@ -430,11 +514,35 @@ class Engine:
                         self._thread = None
                         return
                 try:
+                    self._expire()
                     self._admit()
                     self._step()
                 except BaseException as exc:  # noqa: BLE001 - an engine bug fails the batch, never the thread
                     for seq, handle in list(self._running):
                         self._end(seq, handle, exc)
+
+    def _expire(self) -> None:
+        """Refuse the waiting requests past ``engine.max_wait_seconds`` (QueueTimeout) and end those past their
+        deadline (DeadlineExceeded), running or waiting; each running one leaves the batch (its slot freed,
+        its run recorded failed) before the next step."""
+        now = time.perf_counter()
+        with self._lock:
+            waiting = [h for h in self._queue if _past(h.wait_deadline, now) or _past(h.deadline, now)]
+            for handle in waiting:
+                self._queue.remove(handle)
+            if waiting:
+                self._lock.notify_all()  # a submit waiting for room
+        for handle in waiting:
+            waited = now - handle.submitted_at
+            if _past(handle.deadline, now):
+                handle._finish(FAILED, None, _deadline_error(handle, now))
+            else:
+                handle._finish(FAILED, None, QueueTimeout(
+                    f"the request waited {waited:.1f} s for a free slot, over engine.max_wait_seconds "
+                    f"({self.admission.max_wait_seconds:g} s); try again shortly"))
+        for seq, handle in list(self._running):
+            if _past(handle.deadline, now):
+                self._end(seq, handle, _deadline_error(handle, now, len(handle._tokens)))
 
     def _admit(self) -> None:
         """Start waiting requests while there is room: all of them into an idle engine; while others decode,
@@ -583,6 +691,16 @@ class Engine:
         elif status == FAILED and not isinstance(error, UserError):
             error = _as_user_error(error, line)
         handle._finish(status, result, None if interrupted else error)
+
+
+def _past(deadline: float | None, now: float) -> bool:
+    return deadline is not None and now >= deadline
+
+
+def _deadline_error(handle: RequestHandle, now: float, tokens: int | None = None) -> DeadlineExceeded:
+    where = "in the queue" if tokens is None else f"after {tokens} tokens"
+    return DeadlineExceeded(f"the request ran past its deadline of {handle.timeout:g} s (timeout) and was stopped "
+                            f"{where}, {now - handle.submitted_at:.1f} s after it arrived")
 
 
 def _stop_at_exit(ref) -> None:

@@ -38,6 +38,16 @@ class Request:
     seed: int | None = None
     chat: bool | None = None
     system_prompt: str | None = None
+    timeout: float | None = None  # seconds from submit until the engine ends it (DeadlineExceeded); None: the
+    # engine's engine.request_timeout
+    # True: a max_new_tokens that does not fit the model's context after the prompt is refused
+    # (ContextLengthExceeded, as OpenAI's API does) instead of decoding until the context is full; a strategy with a
+    # KV window (``window`` stage) runs past the context and is exempt
+    refuse_past_context: bool = False
+
+
+class ContextLengthExceeded(UserError):
+    """The prompt plus ``max_new_tokens`` do not fit the model's context (``Request.refuse_past_context``)."""
 
 
 @dataclass
@@ -51,6 +61,7 @@ class Prepared:
     stop: tuple[str, ...]
     need_hidden: tuple[int, ...]  # hidden-state taps its forwards return (mtpflow.types.hidden_taps)
     context_window: int | None
+    timeout: float | None = None  # the request's own deadline in seconds (None: the engine's default)
 
 
 # Override keys a request may never set: code to run (``_target_``) and plugins to load.
@@ -198,6 +209,16 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
         prompt = tokenizer.decode(ids.tolist())
     if ids.numel() + 1 > loaded.max_context:
         raise UserError(f"the prompt is {ids.numel()} tokens; the model's context is {loaded.max_context}")
+    if (request.refuse_past_context and request.max_new_tokens is not None and strategy.get("window") is None
+            and ids.numel() + max_new_tokens > loaded.max_context):
+        raise ContextLengthExceeded(
+            f"the model's context is {loaded.max_context} tokens and the prompt takes {ids.numel()}: at most "
+            f"{loaded.max_context - ids.numel()} new tokens fit, {max_new_tokens} were asked for")
+    timeout = request.timeout
+    if timeout is not None:
+        timeout = float(check_range("timeout", timeout, 0, None, low_inclusive=False))
+        if not math.isfinite(timeout):
+            raise ConfigError(f"timeout must be a finite number of seconds, got {request.timeout!r}")
 
     settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
                 "seed": seed, "chat": chat, "stop": list(stop), "system_prompt": system_prompt}
@@ -208,5 +229,5 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
     )
     prepared = Prepared(request=request, prompt_ids=ids, strategy=strategy, context=context, stop=stop,
                         need_hidden=hidden_taps_of(loaded.model, strategy.get("needs_hidden_states", False)),
-                        context_window=strategy.get("context_window"))
+                        context_window=strategy.get("context_window"), timeout=timeout)
     return prepared, settings

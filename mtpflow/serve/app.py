@@ -211,10 +211,11 @@ def create_app(engine, *, served_model: str, default_strategy: str, api_key: str
         handle = await submit(engine, EngineRequest(strategy=strategy, **parsed.request), state.metrics, endpoint)
         gen = Generation(handle, parsed, strategy or state.default_strategy, parsed.model or state.served_model,
                          state.metrics, endpoint, arrival)
-        if parsed.stream:
-            return StreamingResponse(gen.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
+            await gen.started(request)  # a refusal or failure before the first token keeps its own status
+            if parsed.stream:
+                return StreamingResponse(gen.events(), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
             return JSONResponse(await gen.collect(request))
         except ApiError as exc:
             return _error(exc)

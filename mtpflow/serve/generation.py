@@ -1,8 +1,11 @@
 """One completion request on the engine: submit it, stream its text pieces (server-sent events) or wait for the
 whole result, cancel it when the client goes away, and record its latencies and outcome in the metrics.
 
-A client that disconnects cancels its sequence (the engine records the run ``interrupted``); the others in
-the batch go on. A failure after the stream started is sent as an ``error`` event (the status line is gone).
+The status line waits for the request's first token (``Generation.started``): a request refused from the queue
+(``engine.max_wait_seconds``), past its deadline or failed before its first token gets its own status (429, 408,
+500), streamed or not. A client that disconnects cancels its sequence (the engine records the run
+``interrupted``); the others in the batch go on. A failure after the stream started is sent as an ``error`` event
+(the status line is gone).
 """
 from __future__ import annotations
 
@@ -24,13 +27,47 @@ def sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def failure(exc: BaseException) -> ApiError:
-    """A failed decode as an API error, one line, never a traceback: 503 when the engine shut down under it,
-    500 when a stage failed mid-decode (the engine reports it as "decoding failed: ..."), 400 for the rest of
-    the caller's mistakes."""
-    from mtpflow.engine import EngineClosed
+RETRY_AFTER_SECONDS = "1"  # Retry-After of a refusal (a full queue, a wait past engine.max_wait_seconds)
 
-    message = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+def refusal(exc: BaseException) -> ApiError:
+    """429 for a request the engine refused (``QueueFull``: the queue is at ``engine.max_waiting``;
+    ``QueueTimeout``: it waited past ``engine.max_wait_seconds``), with ``Retry-After``."""
+    from mtpflow.engine import QueueTimeout
+
+    code = "queue_timeout" if isinstance(exc, QueueTimeout) else "queue_full"
+    return ApiError(429, _line(exc) or "the waiting queue is full; retry later", type="rate_limit_error", code=code,
+                    headers={"Retry-After": RETRY_AFTER_SECONDS})
+
+
+def outcome(exc: BaseException) -> str:
+    """The ``outcome`` label of ``mtpflow_server_requests_total`` for a request that ended with ``exc``."""
+    from mtpflow.engine import DeadlineExceeded, EngineClosed, QueueFull, QueueTimeout
+
+    for kind, label in ((QueueTimeout, "queue_timeout"), (QueueFull, "queue_full"), (DeadlineExceeded, "timeout"),
+                        (EngineClosed, "unavailable"), (Interrupted, "interrupted")):
+        if isinstance(exc, kind):
+            return label
+    return "failed"
+
+
+def _line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def failure(exc: BaseException) -> ApiError:
+    """A failed decode as an API error, one line, never a traceback: 429 for a refusal from the queue, 408 past
+    the request's deadline (with ``x-should-retry: false``: the OpenAI client would otherwise send it again),
+    503 when the engine shut down under it, 500 when a stage failed mid-decode (the engine reports it as
+    "decoding failed: ..."), 400 for the rest of the caller's mistakes."""
+    from mtpflow.engine import DeadlineExceeded, EngineClosed, QueueFull
+
+    message = _line(exc)
+    if isinstance(exc, QueueFull):
+        return refusal(exc)
+    if isinstance(exc, DeadlineExceeded):
+        return ApiError(408, message, type="timeout_error", param="timeout", code="request_timeout",
+                        headers={"x-should-retry": "false"})
     if isinstance(exc, EngineClosed):
         return ApiError(503, message, type="server_error", code="shutting_down", headers={"Retry-After": "5"})
     if isinstance(exc, UserError) and not message.startswith("decoding failed"):
@@ -47,19 +84,19 @@ async def submit(engine, request, metrics, endpoint: str):
     """``engine.submit`` off the event loop (it tokenizes and builds the request's stages); errors become
     4xx/503 error objects."""
     from mtpflow.engine import EngineClosed, QueueFull
+    from mtpflow.request import ContextLengthExceeded
 
     try:
         return await anyio.to_thread.run_sync(engine.submit, request)
-    except QueueFull as exc:
-        metrics.requests.labels(endpoint, "queue_full").inc()
-        raise ApiError(429, str(exc) or "the waiting queue is full; retry later", type="rate_limit_error",
-                       code="queue_full", headers={"Retry-After": "1"}) from None
-    except EngineClosed as exc:
-        metrics.requests.labels(endpoint, "unavailable").inc()
+    except (QueueFull, EngineClosed) as exc:
+        metrics.requests.labels(endpoint, outcome(exc)).inc()
         raise failure(exc) from None
+    except ContextLengthExceeded as exc:
+        metrics.requests.labels(endpoint, "rejected").inc()
+        raise ApiError(400, _line(exc), param="max_tokens", code="context_length_exceeded") from None
     except UserError as exc:
         metrics.requests.labels(endpoint, "rejected").inc()
-        raise ApiError(400, (str(exc).strip().splitlines() or ["bad request"])[0]) from None
+        raise ApiError(400, _line(exc) or "bad request") from None
 
 
 class Generation:
@@ -102,16 +139,9 @@ class Generation:
         use = usage(int(self.handle.prompt_tokens), len(result.token_ids), int(stats.get("prefix_cached_tokens", 0)))
         return use, finish_reason(stats.get("stop_reason")), mtpflow_field(self.strategy, stats)
 
-    # ----- whole response ------------------------------------------------------------------------------------
-    async def collect(self, request) -> dict:
-        """Wait for the whole result; cancel the sequence if the client disconnects first."""
-
-        async def run():
-            async for _ in self._pieces():
-                pass
-            return await self._result()
-
-        work = asyncio.ensure_future(run())
+    async def _until(self, request, awaitable):
+        """Run ``awaitable`` unless the client disconnects first: then cancel the sequence and raise a 499."""
+        work = asyncio.ensure_future(awaitable)
         gone = asyncio.ensure_future(_wait_disconnect(request))
         try:
             await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -123,14 +153,40 @@ class Generation:
                 self._done("interrupted")
         if not work.done():
             raise ApiError(499, "the client closed the request", code="client_closed_request")
+        return work
+
+    async def started(self, request) -> None:
+        """Wait for the first token, or for an end before it (a refusal from the queue, the deadline, a failure,
+        a shutdown), which raises its ApiError: the status line is not sent before this returns."""
+        await self._until(request, self.handle.astarted())
+        if not self.handle.done:
+            return
+        try:
+            await self._result()
+        except Interrupted:
+            self._done("interrupted")
+            raise _shutting_down() from None
+        except Exception as exc:
+            self._done(outcome(exc))
+            raise failure(exc) from None
+
+    # ----- whole response ------------------------------------------------------------------------------------
+    async def collect(self, request) -> dict:
+        """Wait for the whole result; cancel the sequence if the client disconnects first."""
+
+        async def run():
+            async for _ in self._pieces():
+                pass
+            return await self._result()
+
+        work = await self._until(request, run())
         try:
             result = work.result()
         except Interrupted:
             self._done("interrupted")
-            raise ApiError(503, "the request was cancelled: the server is shutting down", type="server_error",
-                           code="shutting_down", headers={"Retry-After": "5"}) from None
+            raise _shutting_down() from None
         except Exception as exc:
-            self._done("failed")
+            self._done(outcome(exc))
             raise failure(exc) from None
         self._done("complete", result)
         use, reason, extra = self._summary(result)
@@ -159,16 +215,19 @@ class Generation:
             self._done("complete", result)
         except Exception as exc:
             finished = True
-            interrupted = isinstance(exc, Interrupted)
-            self._done("interrupted" if interrupted else "failed")
-            err = (ApiError(503, "the request was cancelled: the server is shutting down", type="server_error",
-                            code="shutting_down") if interrupted else failure(exc))
+            self._done(outcome(exc))
+            err = _shutting_down() if isinstance(exc, Interrupted) else failure(exc)
             yield sse(error_body(err.message, err.type, err.param, err.code))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client disconnected or the server is cancelling requests at shutdown
                 self.handle.cancel()
                 self._done("interrupted")
+
+
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the request was cancelled: the server is shutting down", type="server_error",
+                    code="shutting_down", headers={"Retry-After": "5"})
 
 
 async def _wait_disconnect(request) -> None:
@@ -179,4 +238,4 @@ async def _wait_disconnect(request) -> None:
             return
 
 
-__all__ = ["Generation", "submit", "sse", "failure"]
+__all__ = ["Generation", "submit", "sse", "failure", "refusal", "outcome"]

@@ -35,7 +35,8 @@ class ServerMetrics:
         self.waiting.set_function(lambda: float(engine.num_waiting))
         self.requests = Counter(f"{PREFIX}_requests", "HTTP requests to the completion endpoints by outcome: "
                                 "complete, interrupted (client left or shutdown), failed, rejected (4xx), "
-                                "queue_full (429), unavailable (503), unauthorized (401).",
+                                "queue_full and queue_timeout (429), timeout (408), unavailable (503), "
+                                "unauthorized (401).",
                                 ["endpoint", "outcome"], registry=r)
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of accepted requests.", registry=r)
         self.generation_tokens = Counter(f"{PREFIX}_generation_tokens", "Tokens generated (all requests).",

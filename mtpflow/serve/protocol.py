@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_STOP_STRINGS = 16
+MAX_TIMEOUT_SECONDS = 86400.0  # a request's own deadline (``timeout``) is at most a day
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MTPFLOW_FIELDS = {"strategy", "overrides", "top_k"}
 # fields accepted only at their neutral value: (name, is_neutral)
@@ -196,6 +197,9 @@ def parse(kind: str, body: Any) -> Parsed:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise bad("model", "model must be a string")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad("user", "user must be a string")
     for name, neutral in UNSUPPORTED:
         if name in body and not neutral(body[name]):
             raise bad(name, f"{name} is not supported by this server", code="unsupported_parameter")
@@ -216,9 +220,11 @@ def parse(kind: str, body: Any) -> Parsed:
     seed = _whole(body, "seed")
     if seed is not None and not -(2 ** 63) <= seed < 2 ** 63:
         raise bad("seed", "seed must fit in 64 bits")
+    # both are checked, though max_completion_tokens wins: a wrong value is an error wherever it is
     max_tokens = _whole(body, "max_completion_tokens", 1)
+    legacy_max_tokens = _whole(body, "max_tokens", 1)
     if max_tokens is None:
-        max_tokens = _whole(body, "max_tokens", 1)
+        max_tokens = legacy_max_tokens
     # absent fields stay None: the engine's defaults (the server's config), as for the CLI
     request: dict[str, Any] = {
         "temperature": _number(body, "temperature", 0.0, 2.0),
@@ -226,6 +232,10 @@ def parse(kind: str, body: Any) -> Parsed:
         "max_new_tokens": max_tokens,
         "stop": _stop(body),
         "seed": seed,
+        # mtpflow's own: seconds until the server ends the request (408); absent: the server's engine.request_timeout
+        "timeout": _number(body, "timeout", 0.0, MAX_TIMEOUT_SECONDS, low_open=True),
+        # a max_tokens given that does not fit the context after the prompt is a 400, as OpenAI answers it
+        "refuse_past_context": True,
     }
     if kind == "chat":
         request.update(messages=_messages(body), chat=True)

@@ -342,6 +342,13 @@ def _composed(overrides: list[str]):
     return cfg
 
 
+def _max_waiting(cfg) -> int:
+    """``engine.max_waiting`` (or its old spelling ``max_waiting``): Serve's queue bound per replica."""
+    from mtpflow.engine import Admission
+
+    return Admission.from_config(cfg).max_waiting
+
+
 def build(args: dict):
     """``serve run mtpflow.serve.ray_app:build [replicas=N | min_replicas=A max_replicas=B]
     [overrides='strategy=pld max_batch_size=16'] [target_ongoing_requests=T] [replica_cpus=C]
@@ -367,7 +374,7 @@ def build(args: dict):
                                os.environ.get("MTPFLOW_API_KEY") or None,
                                tempfile.mkdtemp(prefix="mtpflow-serve-metrics-"), max(1, int(cpus)))
     return application(scaling, settings, max_batch_size=int(cfg.get("max_batch_size", 8)),
-                       max_waiting=int(cfg.get("max_waiting", 64)), replica_cpus=cpus,
+                       max_waiting=_max_waiting(cfg), replica_cpus=cpus,
                        drain_timeout=number("drain_timeout", float) or 30.0)
 
 
@@ -447,7 +454,7 @@ def run_on_ray(args: argparse.Namespace) -> int:
                                args.api_key or os.environ.get("MTPFLOW_API_KEY") or None, metrics_dir,
                                max(1, int(args.replica_cpus)))
     app = application(scaling, settings, max_batch_size=int(cfg.get("max_batch_size", 8)),
-                      max_waiting=int(cfg.get("max_waiting", 64)), replica_cpus=args.replica_cpus,
+                      max_waiting=_max_waiting(cfg), replica_cpus=args.replica_cpus,
                       drain_timeout=args.drain_timeout)
 
     stop = threading.Event()

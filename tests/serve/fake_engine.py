@@ -90,6 +90,14 @@ class FakeHandle:
         if self._error:
             raise self._error
 
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    async def astarted(self):
+        while not (self._pieces or self._done.is_set()):
+            await asyncio.sleep(0.002)
+
     def result(self, timeout=None):
         if not self._done.wait(timeout):
             raise TimeoutError

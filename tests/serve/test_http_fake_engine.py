@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -89,6 +90,11 @@ MALFORMED = [
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2.5}, 400,
      "max_completion_tokens"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "max_tokens": True}, 400, "max_tokens"),
+    # found by the fuzzer: max_tokens went unchecked beside max_completion_tokens
+    ("completion", {"prompt": "0", "max_completion_tokens": 4, "max_tokens": True}, 400, "max_tokens"),
+    ("completion", {"prompt": "0", "user": ["not", "a", "string"]}, 400, "user"),  # found by the fuzzer too
+    ("completion", {"prompt": "0", "timeout": 0}, 400, "timeout"),
+    ("completion", {"prompt": "0", "timeout": "soon"}, 400, "timeout"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "stop": 5}, 400, "stop"),
     ("chat", {"messages": [{"role": "user", "content": "x"}], "stop": [""]}, 400, "stop"),
@@ -166,26 +172,21 @@ def wait_for(condition, seconds: float = 10.0) -> None:
 
 def test_queue_full_is_429_with_retry_after(fake_server):
     srv = fake_server(max_batch_size=1, max_waiting=1, step_seconds=0.2)
-    body = {"model": "fake", "prompt": "a long enough prompt to keep the engine busy", "max_tokens": 40}
-    with httpx.Client(base_url=srv.url, timeout=60) as h:
-        streams = [h.stream("POST", "/v1/completions", json={**body, "stream": True}) for _ in range(2)]
-        assert streams[0].__enter__().status_code == 200
+    body = {"model": "fake", "prompt": "a long enough prompt to keep the engine busy", "max_tokens": 10}
+    with ThreadPoolExecutor(2) as pool:
+        # one running, one waiting (a status line waits for the request's first token, so these block)
+        held = [pool.submit(httpx.post, srv.url + "/v1/completions", json=body, timeout=60)]
         wait_for(lambda: srv.engine.num_running == 1)
-        assert streams[1].__enter__().status_code == 200  # one running, one waiting
-        r = h.post("/v1/completions", json=body)
+        held.append(pool.submit(httpx.post, srv.url + "/v1/completions", json={**body, "stream": True}, timeout=60))
+        wait_for(lambda: srv.engine.num_waiting == 1)
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
         assert r.status_code == 429 and r.headers["retry-after"] == "1"
-        assert r.json()["error"]["code"] == "queue_full"
-        for s in streams:
-            s.__exit__(None, None, None)
-    wait_for(lambda: not (srv.engine.num_running or srv.engine.num_waiting))  # closed streams cancel theirs
-    c = client(srv.url)
-    held = [c.completions.create(model="fake", prompt="x" * 40, max_tokens=40, stream=True)]
-    wait_for(lambda: srv.engine.num_running == 1)
-    held.append(c.completions.create(model="fake", prompt="x" * 40, max_tokens=40, stream=True))
-    with pytest.raises(openai.RateLimitError):
-        c.completions.create(model="fake", prompt="x" * 40, max_tokens=40)
-    for stream in held:
-        stream.close()
+        assert r.json()["error"]["code"] == "queue_full" and r.json()["error"]["type"] == "rate_limit_error"
+        with pytest.raises(openai.RateLimitError):
+            client(srv.url).completions.create(model="fake", prompt="x" * 40, max_tokens=40)
+        assert [f.result().status_code for f in held] == [200, 200]
+    text = httpx.get(srv.url + "/metrics").text
+    assert 'mtpflow_server_requests_total{endpoint="/v1/completions",outcome="queue_full"} 2.0' in text
 
 
 def test_bearer_auth(fake_server, capfd):
