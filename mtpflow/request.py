@@ -46,6 +46,11 @@ class Request:
     refuse_past_context: bool = False
 
 
+# A temperature under this is greedy (vLLM's rule): logits divided by 5e-324 overflow to inf and the softmax is
+# NaN, while the distribution it stands for is the argmax anyway (found by fuzzing the server)
+GREEDY_BELOW = 1e-5
+
+
 class ContextLengthExceeded(UserError):
     """The prompt plus ``max_new_tokens`` do not fit the model's context (``Request.refuse_past_context``)."""
 
@@ -169,6 +174,8 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
     temperature = float(check_range("temperature", temperature, 0, None))
     if not math.isfinite(temperature):
         raise ConfigError(f"temperature must be a finite number, got {temperature}")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0
     top_p = float(check_range("top_p", pick(request.top_p, cfg.top_p), 0, 1, low_inclusive=False))
     top_k = check_int("top_k", pick(request.top_k, cfg.top_k), 0)
     max_new_tokens = check_int("max_new_tokens", pick(request.max_new_tokens, cfg.max_new_tokens), 1)

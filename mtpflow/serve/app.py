@@ -21,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mtpflow.serve import openapi
 from mtpflow.serve.generation import Generation, submit
 from mtpflow.serve.metrics import ServerMetrics
 from mtpflow.serve.protocol import ApiError, bad, error_body, parse
@@ -134,8 +135,18 @@ def create_app(engine, *, served_model: str, default_strategy: str, api_key: str
             except Exception as exc:  # the database stays consistent (WAL); only the tidying failed
                 log.warning("trace database not checkpointed at shutdown: %s", str(exc).splitlines()[0])
 
-    app = FastAPI(title="mtpflow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # the schema (GET /openapi.json) declares every answer, so a fuzzer can hold the server to it
+    app = FastAPI(title="mtpflow", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     app.state.mtpflow = state
+    bodies = openapi.request_bodies(state.model_ids(), state.strategies)
+    default_openapi = app.openapi
+
+    def schema() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.drop_validation_errors(default_openapi())
+        return app.openapi_schema
+
+    app.openapi = schema
     app.add_middleware(EndCancelledRequests, state=state)
 
     @app.exception_handler(ApiError)
@@ -169,13 +180,14 @@ def create_app(engine, *, served_model: str, default_strategy: str, api_key: str
             raise ApiError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    @app.get("/health")
+    @app.get("/health", openapi_extra=openapi.errors("503"))
     async def health():
         body = {"status": "draining" if state.draining else "ok", "running": engine.num_running,
                 "waiting": engine.num_waiting}
         return JSONResponse(body, status_code=503 if state.draining else 200)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, openapi_extra={"responses": {"200": {
+        "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}})
     def metrics():  # a plain def: FastAPI runs it in a thread, the trace queries never block the event loop
         return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -184,11 +196,12 @@ def create_app(engine, *, served_model: str, default_strategy: str, api_key: str
         return {"id": model_id, "object": "model", "created": state.started, "owned_by": "mtpflow",
                 "mtpflow": {"strategy": strategy, "default": model_id == state.served_model}}
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    @app.get("/v1/models", dependencies=[Depends(authorized)], openapi_extra=openapi.errors("401"))
     async def models():
         return {"object": "list", "data": [model_card(m) for m in state.model_ids()]}
 
-    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)],
+             openapi_extra=openapi.errors("400", "401", "404"))
     async def model(model_id: str):
         if model_id not in state.model_ids():
             raise ApiError(404, f"the model {model_id!r} does not exist", param="model", code="model_not_found")
@@ -220,11 +233,13 @@ def create_app(engine, *, served_model: str, default_strategy: str, api_key: str
         except ApiError as exc:
             return _error(exc)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)],
+              openapi_extra=openapi.completion_route(bodies["chat"]))
     async def chat_completions(request: Request):
         return await complete("chat", request)
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/completions", dependencies=[Depends(authorized)],
+              openapi_extra=openapi.completion_route(bodies["completion"]))
     async def completions(request: Request):
         return await complete("completion", request)
 

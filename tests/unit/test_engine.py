@@ -244,6 +244,16 @@ class FailsAtStep:
             raise RuntimeError("proposer exploded")
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(tiny):
+    """Found by fuzzing the server: temperature=5e-324 overflowed the logits to inf and failed the decode with a
+    NaN distribution; under 1e-5 (vLLM's rule) a request is greedy."""
+    engine = make_engine(tiny)
+    prompt = random_prompts(1, seed=3)[0]
+    for temperature in (5e-324, 1e-6):
+        result = engine.submit(Request(prompt_ids=prompt, temperature=temperature, top_p=5e-324, seed=0)).result()
+        assert result.token_ids == hf_greedy(tiny.model, prompt, NEW)
+
+
 def test_bad_and_failing_requests_fail_alone(tiny):
     engine = make_engine(tiny, "max_batch_size=8")
     for bad, message in [
