@@ -35,8 +35,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
-from mtpflow.errors import (ConfigError, UserError, check_int, check_range, debug_enabled, describe, internal_cause,
-                            traceback_text)
+from mtpflow.errors import (ConfigError, DeadlineExceeded, EngineClosed, QueueFull, QueueTimeout, UserError, check_int,
+                            check_range, debug_enabled, describe, internal_cause, traceback_text)
 from mtpflow.backends import ExecutionSpec, create as create_backend
 from mtpflow.kernels.dispatch import use_impl
 from mtpflow.loop import Sequence, StepCallback, decode_step
@@ -52,18 +52,6 @@ log = logging.getLogger("mtpflow")  # a request's internal error: its traceback,
 
 IDLE_EXIT_SECONDS = 10.0
 WAITING, RUNNING, COMPLETE, FAILED, INTERRUPTED = "waiting", "running", "complete", "failed", "interrupted"
-
-
-class QueueFull(UserError):
-    """The engine's waiting queue is at its bound (``engine.max_waiting``): try again later."""
-
-
-class QueueTimeout(QueueFull):
-    """The request waited in the queue longer than ``engine.max_wait_seconds`` and was refused: try again later."""
-
-
-class DeadlineExceeded(UserError):
-    """The request ran past its deadline (its ``timeout``, else ``engine.request_timeout``) and was ended."""
 
 
 @dataclass(frozen=True)
@@ -102,10 +90,6 @@ def _seconds(name: str, value) -> float | None:
     if not math.isfinite(seconds):
         raise ConfigError(f"{name} must be a finite number of seconds or null, got {value!r}")
     return seconds
-
-
-class EngineClosed(UserError):
-    """The engine is shutting down and takes no new requests."""
 
 
 class RequestHandle:

@@ -20,6 +20,24 @@ class ConfigError(UserError):
     """A configuration value is out of range or of the wrong kind."""
 
 
+# What the engine answers a request it will not run (the server maps each to its status, without importing the
+# engine): they live here, on the ground floor; mtpflow.engine re-exports them.
+class QueueFull(UserError):
+    """The engine's waiting queue is at its bound (``engine.max_waiting``): try again later."""
+
+
+class QueueTimeout(QueueFull):
+    """The request waited in the queue longer than ``engine.max_wait_seconds`` and was refused: try again later."""
+
+
+class DeadlineExceeded(UserError):
+    """The request ran past its deadline (its ``timeout``, else ``engine.request_timeout``) and was ended."""
+
+
+class EngineClosed(UserError):
+    """The engine is shutting down and takes no new requests."""
+
+
 def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_inclusive=True):
     """Raise ConfigError unless low <= value <= high (bounds optional, inclusivity configurable)."""
     try:

@@ -219,7 +219,7 @@ def create_app(engine, *, served_model: str, default_strategy: str, api_key: str
             state.metrics.requests.labels(endpoint, "unavailable").inc()
             raise ApiError(503, "the server is shutting down", type="server_error", code="shutting_down",
                            headers={"Retry-After": "5"})
-        from mtpflow.engine import Request as EngineRequest
+        from mtpflow.request import Request as EngineRequest
 
         handle = await submit(engine, EngineRequest(strategy=strategy, **parsed.request), state.metrics, endpoint)
         gen = Generation(handle, parsed, strategy or state.default_strategy, parsed.model or state.served_model,

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 import anyio
 
-from mtpflow.errors import UserError
+from mtpflow.errors import DeadlineExceeded, EngineClosed, QueueFull, QueueTimeout, UserError
 from mtpflow.serve.protocol import ApiError, Parsed, ResponseBuilder, error_body, finish_reason, mtpflow_field, usage
 
 log = logging.getLogger("mtpflow.serve")
@@ -33,8 +33,6 @@ RETRY_AFTER_SECONDS = "1"  # Retry-After of a refusal (a full queue, a wait past
 def refusal(exc: BaseException) -> ApiError:
     """429 for a request the engine refused (``QueueFull``: the queue is at ``engine.max_waiting``;
     ``QueueTimeout``: it waited past ``engine.max_wait_seconds``), with ``Retry-After``."""
-    from mtpflow.engine import QueueTimeout
-
     code = "queue_timeout" if isinstance(exc, QueueTimeout) else "queue_full"
     return ApiError(429, _line(exc) or "the waiting queue is full; retry later", type="rate_limit_error", code=code,
                     headers={"Retry-After": RETRY_AFTER_SECONDS})
@@ -42,8 +40,6 @@ def refusal(exc: BaseException) -> ApiError:
 
 def outcome(exc: BaseException) -> str:
     """The ``outcome`` label of ``mtpflow_server_requests_total`` for a request that ended with ``exc``."""
-    from mtpflow.engine import DeadlineExceeded, EngineClosed, QueueFull, QueueTimeout
-
     for kind, label in ((QueueTimeout, "queue_timeout"), (QueueFull, "queue_full"), (DeadlineExceeded, "timeout"),
                         (EngineClosed, "unavailable"), (Interrupted, "interrupted")):
         if isinstance(exc, kind):
@@ -60,8 +56,6 @@ def failure(exc: BaseException) -> ApiError:
     the request's deadline (with ``x-should-retry: false``: the OpenAI client would otherwise send it again),
     503 when the engine shut down under it, 500 when a stage failed mid-decode (the engine reports it as
     "decoding failed: ..."), 400 for the rest of the caller's mistakes."""
-    from mtpflow.engine import DeadlineExceeded, EngineClosed, QueueFull
-
     message = _line(exc)
     if isinstance(exc, QueueFull):
         return refusal(exc)
@@ -83,7 +77,6 @@ class Interrupted(Exception):
 async def submit(engine, request, metrics, endpoint: str):
     """``engine.submit`` off the event loop (it tokenizes and builds the request's stages); errors become
     4xx/503 error objects."""
-    from mtpflow.engine import EngineClosed, QueueFull
     from mtpflow.request import ContextLengthExceeded
 
     try:

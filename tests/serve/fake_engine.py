@@ -11,8 +11,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from mtpflow.engine import EngineClosed, QueueFull, Request
-from mtpflow.errors import UserError
+from mtpflow.errors import EngineClosed, QueueFull, UserError
+from mtpflow.request import Request
 
 DONE = object()
 
