@@ -7,6 +7,7 @@ speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG c
     python -m mtpflow.bench mode=cost            # per-forward cost of the verify pass for K = 0..16
     python -m mtpflow.bench mode=batch strategies=[baseline,pld,mtp]   # engine vs HF batched, batch 1..16
     python -m mtpflow.bench mode=serve           # python -m mtpflow.serve under 1/4/8/16 clients
+    python -m mtpflow.bench mode=soak minutes=30 clients=16   # the server for 30 minutes: memory, p99, traces
     python -m mtpflow.bench prompts=PATH/question.jsonl limit=8 turns=1   # Spec-Bench's own file (specbench.py)
     python -m mtpflow.bench "strategies=[baseline,pld]" "peers=[vllm,llamacpp]"  # peers' rows (peers.py)
 
@@ -348,7 +349,7 @@ def check_options(opts) -> None:
     from mtpflow.tools import peers, specbench
 
     if opts.mode not in ("decode", "cost", "batch"):
-        raise UserError(f"mode must be decode, cost, batch or serve, got {opts.mode!r}")
+        raise UserError(f"mode must be decode, cost, batch, serve or soak, got {opts.mode!r}")
     for name in ("strategies", "classes", "cost_ks", "overrides", "batch_sizes", "batch_k", "repeated", "peers"):
         value = opts[name]
         if value is not None and not isinstance(value, ListConfig):
@@ -526,6 +527,10 @@ def main(argv=None) -> int:
         from mtpflow.tools.bench_serve import main as serve_main
 
         return serve_main(argv)
+    if "mode=soak" in argv:  # so has the server's soak run
+        from mtpflow.tools.bench_soak import main as soak_main
+
+        return soak_main(argv)
     try:
         opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(argv))
     except Exception as exc:

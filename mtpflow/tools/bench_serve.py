@@ -208,9 +208,12 @@ def check_options(opts) -> None:
     check_int("startup_timeout", opts.startup_timeout, 1)
 
 
-def write_manifest(out: Path, argv: list[str], opts, overrides: list[str], served_model: str, prompts: int) -> Path:
+def write_manifest(out: Path, argv: list[str], opts, overrides: list[str], served_model: str, prompts: int,
+                   mode: str = "serve", files: tuple[str, ...] = ("serve_bench.csv", "serve_bench.png"),
+                   results: dict | None = None) -> Path:
     """The run's manifest: the server's model, dtype, device and backend as its config composes them (the
-    server runs in another process; the trace database's temporary path left out)."""
+    server runs in another process; the trace database's temporary path left out). ``results``: figures the
+    mode adds to the settings (the soak's verdicts)."""
     from mtpflow.config import compose
     from mtpflow.backends.execution import resolve_device
     from mtpflow.tools import manifest
@@ -229,8 +232,9 @@ def write_manifest(out: Path, argv: list[str], opts, overrides: list[str], serve
             device = None
         facts["device"] = None if device is None else str(device)
     settings = {**OmegaConf.to_container(opts, resolve=True), "server_overrides": composed, "prompt_count": prompts}
-    record = manifest.collect("serve", argv, model=facts, settings=settings, device=device)
-    return manifest.write(out, record, ["serve_bench.csv", "serve_bench.png"])
+    record = manifest.collect(mode, argv, model=facts, settings=settings, device=device,
+                              extra=None if results is None else {"results": results})
+    return manifest.write(out, record, list(files))
 
 
 def main(argv: list[str]) -> int:
