@@ -148,6 +148,14 @@ class Generation:
             raise ApiError(499, "the client closed the request", code="client_closed_request")
         return work
 
+    def _fail(self, exc: Exception):
+        """Count a request that ended before its answer and raise its ApiError (503 for a shutdown)."""
+        if isinstance(exc, Interrupted):
+            self._done("interrupted")
+            raise _shutting_down() from None
+        self._done(outcome(exc))
+        raise failure(exc) from None
+
     async def started(self, request) -> None:
         """Wait for the first token, or for an end before it (a refusal from the queue, the deadline, a failure,
         a shutdown), which raises its ApiError: the status line is not sent before this returns."""
@@ -156,12 +164,8 @@ class Generation:
             return
         try:
             await self._result()
-        except Interrupted:
-            self._done("interrupted")
-            raise _shutting_down() from None
         except Exception as exc:
-            self._done(outcome(exc))
-            raise failure(exc) from None
+            self._fail(exc)
 
     # ----- whole response ------------------------------------------------------------------------------------
     async def collect(self, request) -> dict:
@@ -175,12 +179,8 @@ class Generation:
         work = await self._until(request, run())
         try:
             result = work.result()
-        except Interrupted:
-            self._done("interrupted")
-            raise _shutting_down() from None
         except Exception as exc:
-            self._done(outcome(exc))
-            raise failure(exc) from None
+            self._fail(exc)
         self._done("complete", result)
         use, reason, extra = self._summary(result)
         return self.builder.response(result.text, reason, use, extra)

@@ -176,6 +176,14 @@ def plot(table, path: Path, title: str) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(table["concurrency"].unique()))
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    save_figure(fig, axes, path, title)
+
+
+def save_figure(fig, axes, path: Path, title: str) -> None:
+    """Grid and legend on every panel, the title, then the PNG (and the figure closed)."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=9)
@@ -241,15 +249,21 @@ def main(argv: list[str]) -> int:
     return run_command("mtpflow.bench", bench_serve, argv)
 
 
-def bench_serve(argv: list[str]) -> int:
-    """The command itself: check the options, start the server, load it level by level, write the results."""
+def parse_options(argv: list[str], defaults: dict, what: str):
+    """``key=value`` arguments over ``defaults``; a malformed or unknown one is a one-line UserError."""
     try:
-        opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(list(argv)))
+        opts = OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.from_dotlist(list(argv)))
     except Exception as exc:
         raise UserError(f"bad arguments: {exc}".splitlines()[0]) from None
-    unknown = set(opts.keys()) - set(DEFAULTS)
+    unknown = set(opts.keys()) - set(defaults)
     if unknown:
-        raise UserError(f"unknown option(s) for mode=serve {', '.join(sorted(unknown))}; known: {', '.join(DEFAULTS)}")
+        raise UserError(f"unknown option(s) {what} {', '.join(sorted(unknown))}; known: {', '.join(defaults)}")
+    return opts
+
+
+def bench_serve(argv: list[str]) -> int:
+    """The command itself: check the options, start the server, load it level by level, write the results."""
+    opts = parse_options(argv, DEFAULTS, "for mode=serve")
     out = Path(str(opts.out)).expanduser()
     server, tmp, done = None, None, False
     try:

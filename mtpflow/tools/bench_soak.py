@@ -33,10 +33,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from mtpflow.errors import ConfigError, UserError, check_int, check_range, run_command, writable_folder
-from mtpflow.tools.bench_serve import Server, percentile, write_manifest
+from mtpflow.tools.bench_serve import Server, parse_options, percentile, save_figure, write_manifest
 
 DEFAULTS = {
     "mode": "soak",
@@ -338,12 +336,7 @@ def plot(table, path: Path, title: str) -> None:
                                 "requests per minute")):
         ax.set_xlabel("minute")
         ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, axes, path, title)
 
 
 def check_options(opts) -> None:
@@ -374,13 +367,7 @@ def main(argv: list[str]) -> int:
 def bench_soak(argv: list[str]) -> int:
     """The command itself: check the options, start the server, soak it, kill it, reopen its database, write
     the results and print the verdicts."""
-    try:
-        opts = OmegaConf.merge(OmegaConf.create(DEFAULTS), OmegaConf.from_dotlist(list(argv)))
-    except Exception as exc:
-        raise UserError(f"bad arguments: {exc}".splitlines()[0]) from None
-    unknown = set(opts.keys()) - set(DEFAULTS)
-    if unknown:
-        raise UserError(f"unknown option(s) for mode=soak {', '.join(sorted(unknown))}; known: {', '.join(DEFAULTS)}")
+    opts = parse_options(argv, DEFAULTS, "for mode=soak")
     check_options(opts)
     out = Path(str(opts.out)).expanduser()
     writable_folder(out)
