@@ -221,17 +221,22 @@ def reopen_after_kill(db: Path, listed: set[int], overrides: list[str], log: Pat
 
     from mtpflow.traces.store import TraceStore
 
-    restarted = Server(overrides, log, timeout)
     try:
-        store = TraceStore(db)
+        restarted = Server(overrides, log, timeout)
         try:
-            with store.engine.connect() as conn:
-                integrity = conn.execute(text("PRAGMA integrity_check")).scalar()
-            ids = {r["id"] for r in store.list_runs(limit=store.count("runs") + 1)}
+            store = TraceStore(db)
+            try:
+                with store.engine.connect() as conn:
+                    integrity = conn.execute(text("PRAGMA integrity_check")).scalar()
+                ids = {r["id"] for r in store.list_runs(limit=store.count("runs") + 1)}
+            finally:
+                store.close()
         finally:
-            store.close()
-    finally:
-        restarted.stop()
+            restarted.stop()
+    except Exception as exc:  # noqa: BLE001 - a database the restart cannot open is the finding, not a crash
+        line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        return {"db_integrity": f"not opened: {line}", "db_runs_listed": 0, "db_runs_missing": len(listed),
+                "db_intact": False}
     missing = sorted(listed - ids)
     return {"db_integrity": integrity, "db_runs_listed": len(ids & listed), "db_runs_missing": len(missing),
             "db_intact": integrity == "ok" and not missing}

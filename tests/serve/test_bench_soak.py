@@ -55,3 +55,14 @@ def test_short_soak_writes_csv_png_manifest_and_verdicts(tmp_path, capsys):
     assert verdict["failed_ok"] and verdict["trace_rows_ok"] and verdict["db_ok"], verdict
     assert verdict["db_integrity"] == "ok" and verdict["db_runs_missing"] == 0
     assert "must hold:" in printed
+
+
+def test_a_database_the_restart_cannot_open_is_a_verdict_not_a_crash(tmp_path):
+    from mtpflow.tools.bench_soak import reopen_after_kill
+
+    folder = save_tiny_model(tmp_path / "tiny")
+    db = tmp_path / "traces.db"
+    db.write_bytes(b"this is not an SQLite database" * 200)
+    found = reopen_after_kill(db, {1, 2}, [f"trace.db={db}", f"model.name={folder}"], tmp_path / "log", 120)
+    assert found["db_intact"] is False and found["db_runs_missing"] == 2
+    assert found["db_integrity"].startswith("not opened: the server did not start")
