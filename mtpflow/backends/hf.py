@@ -19,6 +19,47 @@ from mtpflow.types import Verification
 PACKED_PREFILL_ROWS = 2048
 
 
+def sliding(model) -> tuple[str, int] | None:
+    """How the model's own forward slides its attention, for the 4D masks this backend builds (HF returns a 4D mask
+    as it is given, so a tree or a batch would see past a sliding window): ``("layer_types", w)`` where layers
+    marked ``sliding_attention`` see the last ``w`` positions and the forward takes a mask per layer type,
+    ``("all", w)`` where every layer does, None where no layer slides (or the family is not one the native layer
+    description knows: its masks are left as they were)."""
+    from mtpflow.backends.native.description import FAMILIES
+
+    family = FAMILIES.get(type(model).__name__)
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    if family is None or family.window == "none" or not window:
+        return None
+    if family.window == "layer_types" and "sliding_attention" not in (getattr(cfg, "layer_types", None) or ()):
+        return None
+    return family.window, int(window)
+
+
+def attention_masks(model, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                    dtype) -> torch.Tensor | dict:
+    """The additive mask [B, 1, q, kv] (0 where ``allowed`` [B, q, kv], the dtype's minimum elsewhere) a forward
+    takes, or for a model whose layers slide (``sliding``) what its sliding layers need as well: a query at
+    position p sees a key at position k only where p - k < w. ``query_positions`` [B, q], ``key_positions`` [B, kv]:
+    each row's and each entry's position (the pool keeps entry i of a sequence at position i)."""
+    def additive(visible):
+        return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, torch.finfo(dtype).min)[:, None]
+
+    slide = sliding(model)
+    if slide is None:
+        return additive(allowed)
+    kind, window = slide
+    near = allowed & (query_positions[:, :, None] - key_positions[:, None, :] < window)
+    if kind == "all":
+        return additive(near)
+    return {"full_attention": additive(allowed), "sliding_attention": additive(near)}
+
+
+def _to(mask, device):
+    return {k: v.to(device) for k, v in mask.items()} if isinstance(mask, dict) else mask.to(device)
+
+
 def own_taps(hidden: torch.Tensor, taps: tuple[int, ...], own: tuple[int, ...]) -> torch.Tensor:
     """[n, hidden * len(taps)] of the batch's taps -> [n, hidden * len(own)], this sequence's in its order."""
     if own == taps:
@@ -113,7 +154,13 @@ class HFBackend(Backend):
             mask = None
         else:
             positions = torch.cat([torch.tensor([root_position]), root_position + draft.depths()])
-            mask = tree_attention_mask(draft.parents, target.cache_len, dtype=self.dtype).to(self.device)
+            length = target.cache_len
+            allowed = torch.zeros(ids.numel(), length + ids.numel(), dtype=torch.bool)
+            allowed[:, :length] = True
+            allowed[:, length:] = tree_allowed(draft.parents)
+            keys = torch.cat([torch.arange(length), positions - target.position_shift])
+            mask = _to(attention_masks(self.model, allowed[None], (positions - target.position_shift)[None],
+                                       keys[None], self.dtype), self.device)
         cache = target.kv.view()
         logits, hidden = self._run(ids.to(self.device)[None], (positions - target.position_shift).to(self.device)[None],
                                    mask, cache, target.taps)
@@ -142,6 +189,8 @@ class HFBackend(Backend):
         input_ids = torch.zeros(rows, q, dtype=torch.long)
         positions = torch.zeros(rows, q, dtype=torch.long)
         pad = torch.arange(q)
+        key_positions = torch.zeros(rows, cache.kv_length, dtype=torch.long)
+        key_positions[:] = torch.arange(cache.kv_length)
         for slot in range(rows):
             length = lengths[slot]
             allowed[slot, pad, length + pad] = True  # a padding row sees itself only (no empty softmax)
@@ -156,10 +205,10 @@ class HFBackend(Backend):
             base = root_positions[i] - target.position_shift
             positions[slot] = base
             positions[slot, 1:n] = base + draft.depths()
-        mask = torch.zeros(rows, 1, q, cache.kv_length, dtype=self.dtype).masked_fill_(
-            ~allowed[:, None], torch.finfo(self.dtype).min)
+            key_positions[slot, length:length + n] = positions[slot, :n]
+        mask = attention_masks(self.model, allowed, positions, key_positions, self.dtype)
         taps = tuple(sorted({t for target in targets for t in target.taps}))
-        logits, hidden = self._run(input_ids.to(self.device), positions.to(self.device), mask.to(self.device), cache,
+        logits, hidden = self._run(input_ids.to(self.device), positions.to(self.device), _to(mask, self.device), cache,
                                    taps)
         seconds = time.perf_counter() - t0
         logits = logits.float()

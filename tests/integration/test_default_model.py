@@ -43,6 +43,7 @@ def test_the_int8_model_is_lossless_against_its_reference(default_loaded):
     from mtpflow.backends.native.int8_reference import Int8Reference
     from mtpflow.model import load_model
     from mtpflow.request import Request
+    from helpers import prompt_rows
 
     if not kernel.available():
         pytest.skip("no C compiler to build the native kernel")
@@ -55,12 +56,7 @@ def test_the_int8_model_is_lossless_against_its_reference(default_loaded):
     wants = [reference.greedy(ids, 32, loaded.eos_token_ids) for ids in prompts]
     reference.reset()
     logits, _, _ = reference.forward(prompts[0])
-    target_logits = pipe.engine.backend.run(pipe.engine.backend.make_pool(1), prompts[0],
-                                            torch.arange(len(prompts[0])), [0] * len(prompts[0]),
-                                            list(range(len(prompts[0]))), [0] * len(prompts[0]),
-                                            [len(prompts[0])] * len(prompts[0]),
-                                            torch.ones(len(prompts[0]), len(prompts[0]), dtype=torch.bool).tril_()
-                                            .to(torch.uint8))[0]
+    target_logits = pipe.engine.backend.run(pipe.engine.backend.make_pool(1), prompt_rows(prompts[0], 0))[0]
     assert torch.equal(target_logits, logits)
     for strategy in ("baseline", "mtp_heads", "pld"):
         pipe = make_pipeline(loaded, strategy, "max_new_tokens=32", "trace=off", "model.quantize=int8")

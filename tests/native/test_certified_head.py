@@ -80,7 +80,8 @@ def test_what_it_declines(monkeypatch):
     assert not certified_head.applies(head().to(torch.bfloat16), 1)
     calls = []
     real = certified_head.CertifiedHead.logits
-    monkeypatch.setattr(certified_head.CertifiedHead, "logits", lambda self, x: calls.append(1) or real(self, x))
+    monkeypatch.setattr(certified_head.CertifiedHead, "logits",
+                        lambda self, x, cap=0.0: calls.append(1) or real(self, x, cap))
     backend = native_cpu.NativeCPUBackend(make_tiny_model(512, layers=1))
     wide = torch.randn(certified_head.MAX_ROWS + 1, 64)
     # too many rows, or a reader of the whole distribution: the native float32 head itself
@@ -114,7 +115,8 @@ def test_only_greedy_argmax_readers_take_it(tiny, monkeypatch):
     prompt = [5, 17, 23, 8, 42, 11, 9]
     calls = []
     real = certified_head.CertifiedHead.logits
-    monkeypatch.setattr(certified_head.CertifiedHead, "logits", lambda self, x: calls.append(1) or real(self, x))
+    monkeypatch.setattr(certified_head.CertifiedHead, "logits",
+                        lambda self, x, cap=0.0: calls.append(1) or real(self, x, cap))
     seen = []
     real_rows = native_cpu._RowSpec.run_groups
     monkeypatch.setattr(native_cpu._RowSpec, "run_groups",

@@ -12,11 +12,12 @@ import pytest
 import torch
 import yaml
 
-from helpers import make_pipeline, make_tiny_model, save_tiny_gemma, tiny_loaded
+from helpers import make_pipeline, make_tiny_model, prompt_rows, save_tiny_gpt2, tiny_loaded
 from mtpflow import backends
 from mtpflow.config import available_strategies, compose
 from mtpflow.errors import UserError
 from mtpflow.backends.native import int8_reference as R, kernel, products
+from mtpflow.backends.native.rows import VerifyRows
 from mtpflow.request import Request
 
 needs_native = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the native kernel")
@@ -88,8 +89,7 @@ def test_the_kernel_forward_is_the_reference_bit_for_bit(tied):
     taps = (0, 1, -1)
     for slot, (ids, ref) in enumerate(zip(prompts, refs)):
         n = len(ids)
-        logits, hidden = backend.run(pool, ids, torch.arange(n), [slot] * n, list(range(n)), [0] * n, [n] * n,
-                                     causal(n), taps)
+        logits, hidden = backend.run(pool, prompt_rows(ids, slot), taps)
         ref_logits, ref_normed, ref_taps = ref.forward(ids, taps=(0, 1))
         assert torch.equal(logits, ref_logits)
         assert torch.equal(hidden, torch.cat([ref_taps[0], ref_taps[1], ref_normed], dim=-1))
@@ -101,8 +101,9 @@ def test_the_kernel_forward_is_the_reference_bit_for_bit(tied):
     allowed = torch.zeros(4, 3, dtype=torch.uint8)
     allowed[:3] = causal(3)
     allowed[3, 0] = 1
-    logits, _ = backend.run(pool, ids, positions, [0, 0, 0, 1], [lengths[0] + i for i in range(3)] + [lengths[1]],
-                            [lengths[0]] * 3 + [lengths[1]], [3, 3, 3, 1], allowed)
+    rows = VerifyRows(ids, positions, allowed, [0, 0, 0, 1], [lengths[0] + i for i in range(3)] + [lengths[1]],
+                      [lengths[0]] * 3 + [lengths[1]], [0, 0, 0, 3], [3, 3, 3, 1], [0, 3], [3, 1])
+    logits, _ = backend.run(pool, rows)
     assert torch.equal(logits[:3], refs[0].forward(chain)[0])
     assert torch.equal(logits[3:], refs[1].forward(single)[0])
 
@@ -196,10 +197,11 @@ def test_what_int8_does_not_apply_to_is_one_line():
     with pytest.raises(UserError, match="model.quantize=int8 does not apply to this model: it runs float32 or "
                                         "bfloat16 or float16 weights and the model is float64"):
         backends.quantize_int8(wide)
-    eager = make_tiny_model(64, seed=1)
-    eager.config._attn_implementation = "eager"
-    with pytest.raises(UserError, match="model.quantize=int8 does not apply to this model: it runs Llama-family"):
-        backends.quantize_int8(eager)
+    gelu = make_tiny_model(64, seed=1)
+    gelu.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    with pytest.raises(UserError, match="model.quantize=int8 does not apply to this model: LlamaForCausalLM: its MLP "
+                                        "activation is GELU, not SiLU or GELU-tanh"):
+        backends.quantize_int8(gelu)
     model = make_tiny_model(64, seed=1)
     weights = backends.quantize_int8(model)
     for name in ("hf", "cuda_graph"):
@@ -211,15 +213,15 @@ def test_what_int8_does_not_apply_to_is_one_line():
     (["model.quantize=int4"], "model.quantize must be null or one of int8, got 'int4'"),
     (["model.quantize=int8", "model.backend=hf"], "model.quantize=int8 runs on the native_cpu backend"),
     (["model.quantize=int8", "model.backend=cuda_graph"], "model.quantize=int8 runs on the native_cpu backend"),
-    (["model=hf", "model.name=GEMMA", "model.quantize=int8", "chat=false"],
-     "model.quantize=int8 does not apply to this model: it runs Llama-family models on SDPA attention, "
-     "not Gemma3ForCausalLM"),
+    (["model=hf", "model.name=GPT2", "model.quantize=int8", "chat=false"],
+     "model.quantize=int8 does not apply to this model: GPT2LMHeadModel: its family is not one the layer "
+     "description knows"),
 ])
 def test_bad_int8_settings_are_one_line_exit_2(argv, message, tmp_path):
-    if any("GEMMA" in a for a in argv):
+    if any("GPT2" in a for a in argv):
         if not kernel.available():
             pytest.skip("no C compiler: the message would name the kernel, not the model")
-        argv = [a.replace("GEMMA", str(save_tiny_gemma(tmp_path / "gemma"))) for a in argv]
+        argv = [a.replace("GPT2", str(save_tiny_gpt2(tmp_path / "gpt2"))) for a in argv]
     out = subprocess.run([sys.executable, "-m", "mtpflow", "prompt=hi", "trace=off", "max_new_tokens=4", *argv],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr[-2000:]

@@ -12,6 +12,7 @@ misread bias moves an output by about one term, |x_i w_i| ~ 1, far outside it fo
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import os
 import random
 import subprocess
@@ -23,10 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from families import FAMILIES as FAMILY_NAMES
 from mtpflow.backends.hf import tree_allowed
 from mtpflow.errors import UserError
 from mtpflow.backends.native import kernel, products, reference as native_reference
 from mtpflow.backends.native.reference import LlamaLayerWeights
+from mtpflow.backends.native.rows import VerifyRows
 
 CC = kernel.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the native kernels")
@@ -131,7 +134,11 @@ def test_products_match_their_references(builds, build):
 @dataclass(frozen=True)
 class RowsCase:
     """A decoder stack (L layers, hidden H, nh query heads over nkv key/value heads of size d, intermediate I) and
-    the sequences verified in one call: (cached prefix, "chain" or "tree", new rows) each."""
+    the sequences verified in one call: (cached prefix, "chain" or "tree", new rows) each; and the parts of a layer
+    description it has (``mtpflow.backends.native.description``): ``parts`` of "bias" (on every product),
+    "qk_norm", "post_norm" (norms of the attention's and the MLP's outputs), "softcap" (of the scores), "gelu"
+    (GELU-tanh, else SiLU), "no_rope" (every third layer without rotary), "local_global" (two rotary tables);
+    ``window``: a sliding window on every second layer (0: none); ``rot``: rotary values per head (0: all)."""
     L: int
     H: int
     nh: int
@@ -139,6 +146,9 @@ class RowsCase:
     d: int
     I: int
     sequences: tuple[tuple[int, str, int], ...]
+    parts: frozenset = frozenset()
+    window: int = 0
+    rot: int = 0
 
 
 ROWS_CASES = (
@@ -146,8 +156,15 @@ ROWS_CASES = (
     RowsCase(2, 48, 6, 2, 8, 37, ((5, "chain", 4), (37, "tree", 6))),  # GQA, head_dim 8, I past the vectors
     RowsCase(3, 64, 4, 1, 16, 64, ((3, "chain", 1), (20, "tree", 9), (0, "chain", 3))),  # one kv head, 3 sequences
     RowsCase(2, 128, 2, 1, 64, 96, ((150, "chain", 9), (7, "tree", 8))),  # head_dim 64; attention on threads
+    # Qwen2-like: biases, a window shorter than the prefixes (every second layer)
+    RowsCase(2, 48, 4, 2, 16, 40, ((30, "chain", 4), (9, "tree", 7)), frozenset({"bias"}), window=6),
+    # Gemma 2-like: norms around each block, soft-capped scores, GELU-tanh, a window reaching into a tree
+    RowsCase(2, 32, 2, 1, 16, 48, ((3, "tree", 9), (20, "chain", 2)), frozenset({"post_norm", "softcap", "gelu"}),
+             window=4),
+    # Gemma 3-like: head size 256, q / k norms, local and global tables; Phi-3-like partial rotary; no-rope layers
+    RowsCase(3, 64, 2, 1, 256, 64, ((12, "chain", 3), (0, "tree", 5)),
+             frozenset({"qk_norm", "post_norm", "gelu", "local_global", "no_rope"}), window=8, rot=128),
 )
-
 
 def _parents(kind: str, n: int, rng: random.Random) -> list[int]:
     """Node 0 the root (the committed token), then a chain or a random tree under it."""
@@ -175,6 +192,18 @@ class RowsInputs:
                                          wo=randn(H, nh * d, std=(nh * d) ** -0.5), ln2=1 + randn(H, std=0.1),
                                          wgu=randn(2 * I, H, std=H ** -0.5), wd=randn(H, I, std=I ** -0.5))
                        for _ in range(L)]
+        parts = case.parts
+        for index, layer in enumerate(self.layers):
+            if "bias" in parts:
+                layer.bqkv, layer.bo = randn((nh + 2 * nkv) * d, std=0.3), randn(H, std=0.3)
+                layer.bgu, layer.bd = randn(2 * I, std=0.3), randn(H, std=0.3)
+            if "qk_norm" in parts:
+                layer.qn, layer.kn = 1 + randn(d, std=0.1), 1 + randn(d, std=0.1)
+            if "post_norm" in parts:
+                layer.post_attn, layer.post_mlp = 1 + randn(H, std=0.1), 1 + randn(H, std=0.1)
+            layer.window = case.window if index % 2 == 0 else 0
+        self.act = 1 if "gelu" in parts else 0
+        self.softcap = 2.0 if "softcap" in parts else 0.0
         self.norm = 1 + randn(H, std=0.1)
         # the sequences in shuffled slots, one slot more that no row touches
         slots = list(range(len(case.sequences) + 1))
@@ -193,6 +222,7 @@ class RowsInputs:
                 positions.append(p + depth[j])
                 masks.append(allowed[j])
         self.slot, self.wpos, self.prefix, self.first, self.count = slot, wpos, prefix, first, count
+        self.positions = positions
         m, qmax = len(slot), max(count)
         self.allowed = torch.zeros(m, qmax, dtype=torch.uint8)
         for r, mask in enumerate(masks):
@@ -210,16 +240,25 @@ class RowsInputs:
                 pool.append(buffer)
         self.written = torch.zeros(len(slots), self.capacity, dtype=torch.bool)
         self.written[torch.tensor(slot), torch.tensor(wpos)] = True
-        inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
-        angles = torch.tensor(positions, dtype=torch.float64)[:, None] * inv_freq[None]
-        emb = torch.cat((angles, angles), dim=-1)  # Llama's layout: the same frequencies in both halves
-        self.cos, self.sin = emb.cos().float().contiguous(), emb.sin().float().contiguous()
+        self.rot = case.rot or d
+        tables = []
+        for theta in ((10000.0, 1e6) if "local_global" in parts else (10000.0,)):
+            inv_freq = theta ** (-torch.arange(0, self.rot, 2, dtype=torch.float64) / self.rot)
+            angles = torch.tensor(positions, dtype=torch.float64)[:, None] * inv_freq[None]
+            emb = torch.cat((angles, angles), dim=-1)  # Llama's layout: the same frequencies in both halves
+            tables.append((emb.cos().float().contiguous(), emb.sin().float().contiguous()))
+        for index, layer in enumerate(self.layers):
+            if "no_rope" in parts and index % 3 == 2:
+                continue
+            layer.cos, layer.sin = tables[index % len(tables)]
         self.h = randn(m, H)
         self.int8 = [[products.quantize_int8(getattr(layer, name)) for layer in self.layers]
                      for name in ("wqkv", "wo", "wgu", "wd")]
+        self.taps = (0,) if L > 1 else ()
 
     def run(self, lib, threads: int, panels: bool = False, int8: bool = False):
-        """(h out, normed, keys, values, the call's return code) from one call of ``lib``'s mtpflow_llama_rows."""
+        """(h out, normed, keys, values, {layer: its output} for ``taps``, the call's return code) from one call of
+        ``lib``'s mtpflow_llama_rows."""
         c = self.case
         h, normed = self.h.clone(), torch.empty_like(self.h)
         keys, values = [k.clone() for k in self.keys], [v.clone() for v in self.values]
@@ -236,26 +275,40 @@ class RowsInputs:
                 copies["q" + name] = _pointers([q for q, _ in pairs])
                 copies["s" + name] = _pointers([s for _, s in pairs])
         ints = [torch.tensor(v, dtype=torch.int32) for v in (self.slot, self.wpos, self.prefix, self.first,
-                                                             self.count)]
+                                                             self.count, self.positions)]
+        optional = {name: _optional([getattr(layer, name) for layer in self.layers])
+                    for name in ("post_attn", "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "cos", "sin")}
+        windows = torch.tensor([layer.window for layer in self.layers], dtype=torch.int32)
+        tapped = {t: torch.empty_like(self.h) for t in self.taps}
+        taps = _optional([tapped.get(i) for i in range(c.L)])
         code = kernel.llama_rows(
-            lib, h=h.data_ptr(), normed=normed.data_ptr(), M=len(self.slot), L=c.L, H=c.H, nh=c.nh, nkv=c.nkv, d=c.d,
-            I=c.I, **dict(zip(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"), weights)), **copies,
+            lib, h=h.data_ptr(), normed=normed.data_ptr(), taps=taps, M=len(self.slot), L=c.L, H=c.H, nh=c.nh,
+            nkv=c.nkv, d=c.d, I=c.I, **dict(zip(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"), weights)), **copies,
+            **optional, window=windows.data_ptr(), rot=self.rot, act=self.act, softcap=self.softcap,
             norm_w=self.norm.data_ptr(), eps=self.eps, kc=_pointers(keys), vc=_pointers(values), cap=self.capacity,
-            **{name: t.data_ptr() for name, t in zip(("slot", "wpos", "prefix", "first", "count"), ints)},
-            allowed=self.allowed.data_ptr(), qmax=self.allowed.shape[1], cos=self.cos.data_ptr(),
-            sin=self.sin.data_ptr(), scale=self.scale, threads=threads)
-        return h, normed, keys, values, code
+            **{name: t.data_ptr() for name, t in zip(("slot", "wpos", "prefix", "first", "count", "pos"), ints)},
+            allowed=self.allowed.data_ptr(), qmax=self.allowed.shape[1], scale=self.scale, threads=threads)
+        return h, normed, keys, values, tapped, code
 
     def reference(self, int8: bool = False):
         layers = self.layers
         if int8:
             dequantized = [[q.double() * s.double()[:, None] for q, s in copies] for copies in self.int8]
-            layers = [LlamaLayerWeights(layer.ln1, qkv, o, layer.ln2, gu, down)
+            layers = [dataclasses.replace(layer, wqkv=qkv, wo=o, wgu=gu, wd=down)
                       for layer, qkv, o, gu, down in zip(self.layers, *dequantized)]
         c = self.case
         return native_reference.llama_rows_reference(
             self.h.double(), layers, self.norm, self.eps, self.keys, self.values, self.slot, self.wpos, self.prefix,
-            self.count, self.allowed, self.cos, self.sin, self.scale, c.nh, c.nkv, c.d)
+            self.first, self.count, self.positions, self.allowed, self.scale, c.nh, c.nkv, c.d, self.act,
+            self.softcap, self.taps)
+
+
+def _optional(tensors):
+    """An optional per-layer struct member: None where no layer has the part, else L pointers (NULL where one
+    lacks it)."""
+    if all(t is None for t in tensors):
+        return None
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
 # float32 kernel against the float64 reference: each product's float32 sum of at most a few hundred terms is off by
@@ -274,15 +327,18 @@ def check_rows(lib, case: RowsCase, seed: int, threads=(1, 2), modes=("rows", "p
         int8 = mode == "int8"
         if int8 not in references:
             references[int8] = inputs.reference(int8)
-        h_ref, normed_ref, keys_ref, values_ref = references[int8]
+        h_ref, normed_ref, keys_ref, values_ref, taps_ref = references[int8]
         outputs = []
         for t in threads:
             label = f"{case} seed={seed} {mode} threads={t}"
-            h, normed, keys, values, code = inputs.run(lib, t, panels=mode == "panels", int8=int8)
+            h, normed, keys, values, taps, code = inputs.run(lib, t, panels=mode == "panels", int8=int8)
             assert code == 0, label
             torch.testing.assert_close(h.double(), h_ref, **ROWS_TOLERANCE, msg=lambda m: f"h {label}: {m}")
             torch.testing.assert_close(normed.double(), normed_ref, **ROWS_TOLERANCE,
                                        msg=lambda m: f"normed {label}: {m}")
+            for layer, tap in taps.items():
+                torch.testing.assert_close(tap.double(), taps_ref[layer], **ROWS_TOLERANCE,
+                                           msg=lambda m: f"tap {layer} {label}: {m}")
             for name, got, ref, before in (("keys", keys, keys_ref, inputs.keys),
                                            ("values", values, values_ref, inputs.values)):
                 for layer, (g, r, b) in enumerate(zip(got, ref, before)):
@@ -306,10 +362,9 @@ def test_llama_rows_match_the_reference(builds, build, case):
 # ----- the int8 model (mtpflow_gemm_w8a8, mtpflow_w8a8_rows): bit for bit its torch reference -------------------
 
 def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), (130, 100), (33, 257)), seed=0) -> int:
-    """The int8 product and a tiny int8 model's forward (prefill with taps, then a two-sequence verify) through
-    ``lib``, each equal to ``int8_reference`` bit for bit; returns the number of calls checked."""
+    """The int8 product and a tiny int8 Llama's forward (``check_int8_forward``) through ``lib``, each equal to
+    ``int8_reference`` bit for bit; returns the number of calls checked."""
     from helpers import make_tiny_model
-    from mtpflow.backends import create, quantize_int8
     from mtpflow.backends.native import int8_reference as R
 
     generator = torch.Generator().manual_seed(seed)
@@ -321,29 +376,44 @@ def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), 
             assert torch.equal(products.gemm_w8a8(x, lin.q, lin.scale, lin.wsum, k, lib), R.linear(x, lin)), \
                 f"gemm_w8a8 m={m} n={n} k={k}"
             calls += 1
-    model = make_tiny_model(96, seed=seed, layers=2)
+    return calls + check_int8_forward(lib, make_tiny_model(96, seed=seed, layers=2), seed)
+
+
+def check_int8_forward(lib, model, seed=0, lengths=(9, 3)) -> int:
+    """``model`` as the int8 model through ``lib``: prompts of ``lengths`` prefilled into two slots with taps (the
+    first layer's output, the final norm), then one verify of both: a tree of two children under the first's root,
+    a single row for the second; every logit and tap equal to ``int8_reference``'s, which runs each sequence (and
+    each tree path) alone. Returns the number of calls checked."""
+    import copy
+
+    from mtpflow.backends import create, quantize_int8
+    from mtpflow.backends.native import int8_reference as R
+    from helpers import prompt_rows
+
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
     weights = quantize_int8(model)
     backend = create(model, int8=weights)
     backend.lib = lib
     pool = backend.make_pool(2)
-    prompts = [torch.randint(1, 96, (n,), generator=generator) for n in (9, 3)]
+    prompts = [torch.randint(1, vocab, (n,), generator=generator) for n in lengths]
     refs = [R.Int8Reference(weights) for _ in prompts]
     for slot, (ids, ref) in enumerate(zip(prompts, refs)):
-        n = len(ids)
-        allowed = torch.ones(n, n, dtype=torch.bool).tril_().to(torch.uint8)
-        logits, hidden = backend.run(pool, ids, torch.arange(n), [slot] * n, list(range(n)), [0] * n, [n] * n,
-                                     allowed, (0, -1))
+        logits, hidden = backend.run(pool, prompt_rows(ids, slot), (0, -1))
         ref_logits, ref_normed, ref_taps = ref.forward(ids, taps=(0,))
-        assert torch.equal(logits, ref_logits) and torch.equal(hidden, torch.cat([ref_taps[0], ref_normed], -1))
-        calls += 1
-    new = [torch.randint(1, 96, (2,), generator=generator), torch.randint(1, 96, (1,), generator=generator)]
-    lengths = [len(p) for p in prompts]
-    allowed = torch.tensor([[1, 0], [1, 1], [1, 0]], dtype=torch.uint8)
-    logits, _ = backend.run(pool, torch.cat(new), torch.tensor([lengths[0], lengths[0] + 1, lengths[1]]), [0, 0, 1],
-                            [lengths[0], lengths[0] + 1, lengths[1]], [lengths[0], lengths[0], lengths[1]], [2, 2, 1],
-                            allowed)
-    assert torch.equal(logits[:2], refs[0].forward(new[0])[0]) and torch.equal(logits[2:], refs[1].forward(new[1])[0])
-    return calls + 1
+        assert torch.equal(logits, ref_logits[-logits.shape[0]:]), f"prefill logits, slot {slot}"
+        assert torch.equal(hidden, torch.cat([ref_taps[0], ref_normed], -1)), f"prefill taps, slot {slot}"
+    tree, single = torch.randint(1, vocab, (3,), generator=generator), torch.randint(1, vocab, (1,), generator=generator)
+    n0, n1 = lengths
+    allowed = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1], [1, 0, 0]], dtype=torch.uint8)  # root, two children
+    rows = VerifyRows(torch.cat([tree, single]), torch.tensor([n0, n0 + 1, n0 + 1, n1]), allowed, [0, 0, 0, 1],
+                      [n0, n0 + 1, n0 + 2, n1], [n0, n0, n0, n1], [0, 0, 0, 3], [3, 3, 3, 1], [0, 3], [3, 1])
+    logits, _ = backend.run(pool, rows)
+    other = copy.deepcopy(refs[0])  # the second child's path: the root, then it
+    assert torch.equal(logits[:2], refs[0].forward(tree[:2])[0]), "the root and the first child"
+    assert torch.equal(logits[2], other.forward(tree[[0, 2]])[0][1]), "the second child"
+    assert torch.equal(logits[3:], refs[1].forward(single)[0]), "the second sequence's row"
+    return 3
 
 
 @needs_cc
@@ -354,6 +424,60 @@ def test_the_int8_model_matches_its_reference_bit_for_bit(builds, build):
     if expected is not None:
         assert kernel.q8_isa(lib) == expected
     assert check_w8a8(lib) == 5 * 6 + 3
+
+
+# ----- every model family (tests/families.py) ----------------------------------------------------------------
+
+def check_family_float(lib, family: str, seed: int = 0) -> None:
+    """A tiny random ``family`` model through ``lib``'s mtpflow_llama_rows against the ``hf`` backend (the model's
+    own forward, or the lean one for a Llama): two prompts longer than its sliding window prefilled with taps (the
+    first layer's output, the final norm), then ONE verify of a tree for the first and a chain for the second, then
+    one row of the first alone: logits and taps within the float32 tolerance of another summation order."""
+    from families import make_family_model
+    from mtpflow.backends.hf import HFBackend
+    from mtpflow.backends.native.cpu import NativeCPUBackend
+    from mtpflow.kv_cache import KVPool
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
+
+    model = make_family_model(family, 96, seed)
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 96, (n,), generator=generator) for n in (20, 15)]
+    tree = Draft(torch.tensor([7, 8, 9, 10, 11]), torch.tensor([-1, -1, 0, 0, 2]))
+
+    def run(backend):
+        pool = KVPool(model, max_slots=2)
+        out = []
+        with torch.inference_mode():
+            targets = [Target(backend, pool=pool, need_hidden=(0, -1)) for _ in prompts]
+            out += [t.prefill(p) for t, p in zip(targets, prompts)]
+            out += [(v.logits, v.hidden) for v in backend.verify(targets, [5, 6], [tree, Draft.chain([3, 4, 5])],
+                                                                  [t.cache_len for t in targets])]
+            one = targets[0].verify(12, Draft.chain([]), targets[0].cache_len)
+            out.append((one.logits, one.hidden))
+        return out
+
+    native = NativeCPUBackend(model)
+    native.lib = lib
+    for (a_logits, a_hidden), (b_logits, b_hidden) in zip(run(native), run(HFBackend(model))):
+        torch.testing.assert_close(a_logits, b_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(a_hidden, b_hidden, rtol=1e-4, atol=1e-4)
+
+
+@needs_cc
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_each_family_float32_matches_the_hf_backend(builds, build, family):
+    check_family_float(_lib(builds, build), family)
+
+
+@needs_cc
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_each_family_int8_matches_its_reference_bit_for_bit(builds, build, family):
+    from families import make_family_model
+
+    assert check_int8_forward(_lib(builds, build), make_family_model(family, 96), lengths=(20, 15)) == 3
 
 
 # ----- the versioned struct ----------------------------------------------------------------------------------
@@ -378,19 +502,15 @@ def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
 
 
 @needs_cc
-@pytest.mark.parametrize("version,size_delta", [(2, 0), (0, 0), (1, -8), (1, 8)])  # every struct is at v1
-def test_a_struct_of_another_version_or_size_is_answered_with_an_error_code(builds, version, size_delta):
+@pytest.mark.parametrize("version_delta,size_delta", [(1, 0), (-1, 0), (0, -8), (0, 8)])
+def test_a_struct_of_another_version_or_size_is_answered_with_an_error_code(builds, version_delta, size_delta):
     """Every pointer NULL and M large: a function that read past version and size would crash."""
     lib = _lib(builds, "native")
-    args = kernel.RowsArgs(version, ctypes.sizeof(kernel.RowsArgs) + size_delta)
-    args.M, args.L, args.H = 1000, 30, 576
-    assert lib.mtpflow_llama_rows(ctypes.byref(args)) == kernel.BAD_ABI == -2
-    args = kernel.W8A8Args(version, ctypes.sizeof(kernel.W8A8Args) + size_delta)
-    args.M, args.L, args.H = 1000, 30, 576
-    assert lib.mtpflow_w8a8_rows(ctypes.byref(args)) == kernel.BAD_ABI
-    args = kernel.LinearArgs(version, ctypes.sizeof(kernel.LinearArgs) + size_delta)
-    args.M, args.N, args.K = 1000, 1000, 1000
-    assert lib.mtpflow_linear(ctypes.byref(args)) == kernel.BAD_ABI
+    for entry, fill in (("rows", dict(M=1000, L=30, H=576)), ("w8a8", dict(M=1000, L=30, H=576)),
+                        ("linear", dict(M=1000, N=1000, K=1000))):
+        function, struct, abi = kernel.ENTRY_POINTS[entry]
+        args = struct(abi + version_delta, ctypes.sizeof(struct) + size_delta, **fill)
+        assert getattr(lib, function)(ctypes.byref(args)) == kernel.BAD_ABI == -2, entry
 
 
 def _build_edited(tmp_path, name: str, old: str, new: str, source: str = "rows_float.c") -> Path:
@@ -408,14 +528,16 @@ def _build_edited(tmp_path, name: str, old: str, new: str, source: str = "rows_f
 @needs_cc
 def test_a_build_of_another_abi_is_refused_with_one_line(tmp_path, monkeypatch):
     size = ctypes.sizeof(kernel.RowsArgs)
-    foreign = _build_edited(tmp_path, "v999", "#define MTPFLOW_ROWS_ABI 1\n", "#define MTPFLOW_ROWS_ABI 999\n")
+    abi = kernel.ENTRY_POINTS["rows"][2]
+    foreign = _build_edited(tmp_path, "v999", f"#define MTPFLOW_ROWS_ABI {abi}\n", "#define MTPFLOW_ROWS_ABI 999\n")
     grown = _build_edited(tmp_path, "grown", "    int threads;\n    /* int8 copies",
                           "    int threads;\n    double extra;\n    /* int8 copies")
     bare = tmp_path / "bare.c"
     bare.write_text("int mtpflow_vector_width(void) { return 8; }\n")
     assert kernel.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), (bare,))
-    for path, says in ((foreign, f"has mtpflow_llama_rows ABI v999 ({size} bytes), this mtpflow expects v1 ({size} bytes)"),
-                       (grown, f"has mtpflow_llama_rows ABI v1 ({size + 8} bytes), this mtpflow expects v1 ({size} bytes)"),
+    for path, says in ((foreign, f"has mtpflow_llama_rows ABI v999 ({size} bytes), this mtpflow expects v{abi} ({size} bytes)"),
+                       (grown, f"has mtpflow_llama_rows ABI v{abi} ({size + 8} bytes), this mtpflow expects v{abi} "
+                               f"({size} bytes)"),
                        (tmp_path / "bare.so", "lacks mtpflow_linear or its ABI version")):
         with pytest.raises(UserError) as refused:
             kernel.load(path)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from helpers import make_tiny_model, save_tiny_gemma, tiny_loaded
+from helpers import make_tiny_model, save_tiny_gpt2, tiny_loaded
 from mtpflow import backends
 from mtpflow.backends.native import cpu as native_cpu
 from mtpflow.errors import ConfigError, UserError
@@ -63,9 +63,9 @@ def test_auto_is_native_cpu_where_it_applies_and_hf_elsewhere():
     backend = backends.create(loaded.model, "auto")
     assert backend.name == ("native_cpu" if kernel.available() else "hf")
     assert backends.create(loaded.model, "hf").name == "hf"
-    eager = make_tiny_model(64, seed=1)
+    eager = make_tiny_model(64, seed=1)  # the kernel's own attention: the model's attention implementation aside
     eager.config._attn_implementation = "eager"
-    assert backends.create(eager, "auto").name == "hf"
+    assert backends.create(eager, "auto").name == ("native_cpu" if kernel.available() else "hf")
     assert backends.create(make_tiny_model(64, seed=1).to(torch.bfloat16), "auto").name == "hf"
 
 
@@ -116,15 +116,23 @@ def test_backend_config_errors_are_one_line_exit_2(argv, message):
 
 
 @needs_native
-def test_native_cpu_for_gemma_3_is_one_line_exit_2(tmp_path):
-    save_tiny_gemma(tmp_path / "gemma")
-    out = subprocess.run([sys.executable, "-m", "mtpflow", "model=hf", f"model.name={tmp_path / 'gemma'}",
-                          "model.backend=native_cpu", "prompt=hi", "trace=off", "chat=false", "max_new_tokens=4"],
+@pytest.mark.parametrize("backend", ["native_cpu", "auto"])
+def test_a_model_the_description_does_not_know(tmp_path, backend):
+    """GPT-2 (LayerNorm, learned positions): ``model.backend=native_cpu`` is one line, exit 2, naming what the
+    layer description lacks; ``auto`` runs it on ``hf`` and says why in one line."""
+    save_tiny_gpt2(tmp_path / "gpt2")
+    out = subprocess.run([sys.executable, "-m", "mtpflow", "model=hf", f"model.name={tmp_path / 'gpt2'}",
+                          f"model.backend={backend}", "prompt=hi", "trace=off", "chat=false", "max_new_tokens=4"],
                          capture_output=True, text=True, timeout=300)
-    assert out.returncode == 2, out.stderr[-2000:]
-    lines = [line for line in out.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "model.backend=native_cpu does not apply here" in lines[0], out.stderr
-    assert "Gemma3ForCausalLM" in lines[0]
+    lines = [line for line in out.stderr.strip().splitlines() if line.strip() and "warning: plugin" not in line]
+    why = "GPT2LMHeadModel: its family is not one the layer description knows"
+    if backend == "native_cpu":
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert len(lines) == 1 and f"model.backend=native_cpu does not apply here: {why}" in lines[0], lines
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        said = [line for line in lines if "model.backend=auto runs hf" in line]
+        assert len(said) == 1 and why in said[0], out.stderr
 
 
 @needs_native

@@ -4,6 +4,7 @@ fallback, counted in the backend's stats and the run's."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import hf_greedy, make_pipeline, tiny_loaded
 from mtpflow.backends import ExecutionSpec, create
@@ -52,19 +53,25 @@ def test_the_engine_builds_its_backend_from_its_spec():
 
 @needs_native
 def test_a_declined_verify_is_a_named_fallback_in_the_run_stats():
-    """pld asking for an inner layer's hidden states: the native kernel returns only the last one, so every verify
-    runs the torch forward, named and counted; the tokens stay HF's."""
+    """A weight replaced after the backend was built: the native kernel no longer points at it, so every verify runs
+    the torch forward, named and counted; the tokens stay HF's. The hidden state of an inner layer, by contrast, is
+    a tap of the kernel: no fallback."""
     loaded = tiny_loaded(seed=3)
     prompt = list(range(7, 27)) * 2
-    pipe = make_pipeline(loaded, "pld", "+strategy.needs_hidden_states=[0]", "max_new_tokens=12", "trace=off")
+    pipe = make_pipeline(loaded, "pld", "max_new_tokens=12", "trace=off")
+    down = loaded.model.model.layers[1].mlp.down_proj
+    with torch.no_grad():
+        down.weight = torch.nn.Parameter(down.weight.detach().clone())  # the same values, a new tensor
     result = pipe.engine.generate(Request(prompt_ids=prompt))
     assert result.token_ids == hf_greedy(loaded.model, prompt, 12)
     assert pipe.engine.backend.name == "native_cpu"
     verifies = result.stats["verify_forwards"]
-    assert result.stats["backend_fallbacks"] == {"hidden states of inner layers": verifies} and verifies > 0
-    assert pipe.engine.backend.stats()["backend_fallbacks"]["hidden states of inner layers"] >= verifies
-    plain = make_pipeline(loaded, "pld", "max_new_tokens=12", "trace=off").engine.generate(Request(prompt_ids=prompt))
-    assert "backend_fallbacks" not in plain.stats  # the kernel ran every verify
+    assert result.stats["backend_fallbacks"] == {"a weight was replaced": verifies} and verifies > 0
+    assert pipe.engine.backend.stats()["backend_fallbacks"]["a weight was replaced"] >= verifies
+    tapped = make_pipeline(tiny_loaded(seed=3), "pld", "+strategy.needs_hidden_states=[0]", "max_new_tokens=12",
+                           "trace=off").engine.generate(Request(prompt_ids=prompt))
+    assert tapped.token_ids == result.token_ids
+    assert "backend_fallbacks" not in tapped.stats  # the kernel ran every verify, with the tap
 
 
 def test_no_environment_variable_picks_the_path(monkeypatch):

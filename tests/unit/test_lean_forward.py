@@ -307,7 +307,8 @@ def test_native_rows_verify_one_sequence_as_the_lean_forward_does(context, build
 
 
 def test_native_rows_decline_what_they_do_not_compute(monkeypatch):
-    """A model the rows cannot compute is not taken (``not_applicable``: ``auto`` picks ``hf``); a weight replaced
+    """A model the rows cannot compute is not taken (``not_applicable``: ``auto`` picks ``hf``), one they can (a bias on
+    a product) is; a weight replaced
     after the backend was built (``_RowSpec.ready``) sends the verify to the lean forward's layers, which compute
     the model as it is now."""
     from mtpflow import backends
@@ -332,14 +333,16 @@ def test_native_rows_decline_what_they_do_not_compute(monkeypatch):
 
     assert native_cpu.not_applicable(_native_model()) is None
     assert ran_on(native_cpu.NativeCPUBackend(_native_model()))
-    gelu = _native_model(hidden_act="gelu")  # another activation
-    biased = _native_model()
-    biased.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(64))
-    for model, why in ((gelu, "not plain Llama layers"), (biased, "not plain Llama layers")):
-        assert why in native_cpu.not_applicable(model)
-        with pytest.raises(ValueError, match=why):
-            native_cpu.NativeCPUBackend(model)
-        assert backends.create(model, "auto").name == "hf"
+    gelu = _native_model()  # an activation the layer description does not know (erf GELU)
+    gelu.model.layers[1].mlp.act_fn = torch.nn.GELU()
+    why = "LlamaForCausalLM: its MLP activation is GELU, not SiLU or GELU-tanh"
+    assert native_cpu.not_applicable(gelu) == why
+    with pytest.raises(ValueError, match=why):
+        native_cpu.NativeCPUBackend(gelu)
+    assert backends.create(gelu, "auto").name == "hf"
+    biased = _native_model()  # a bias on one product: a part of the description, computed by the rows
+    biased.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.randn(64) * 0.1)
+    assert ran_on(native_cpu.NativeCPUBackend(biased))
     replaced = native_cpu.NativeCPUBackend(_native_model())
     assert ran_on(replaced) and replaced._rows.ready()
     down = replaced.model.model.layers[2].mlp.down_proj

@@ -52,9 +52,12 @@ class CertifiedHead:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.residual_norm, self.abs_max))
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[rows, vocab] float32 logits of ``x`` [rows, hidden]: exact for every token that could be its row's
-        argmax, within the bound elsewhere."""
+    def logits(self, x: torch.Tensor, cap: float = 0.0) -> torch.Tensor:
+        """[rows, vocab] float32 logits of ``x`` [rows, hidden] (soft-capped by ``cap``, ``softcap``): exact for
+        every token that could be its row's argmax, within the bound elsewhere. The soft-cap is monotone but may
+        round two logits to one value: a token is kept as a candidate while its capped upper bound reaches the
+        largest capped lower bound, so a tie the cap makes is decided by the exact values, as HF's argmax
+        decides it (the first index)."""
         x = x.reshape(-1, x.shape[-1]).contiguous()
         approx = products.linear_int8(x, self.q, self.scale)
         l2 = x.norm(dim=1)  # [rows]
@@ -62,16 +65,28 @@ class CertifiedHead:
         # one bound for every token of a row first (a cheap compare over the vocabulary): a token under the
         # row's best approximation by more than twice it cannot be the argmax
         coarse = l2 * self.coarse_residual + ROUNDING * l1 * self.coarse_abs_max
-        near = (approx >= (approx.amax(dim=1) - 2 * coarse)[:, None]).nonzero()
+        if cap:
+            near = (softcap(approx + coarse[:, None], cap)
+                    >= softcap(approx.amax(dim=1) - coarse, cap)[:, None]).nonzero()
+        else:
+            near = (approx >= (approx.amax(dim=1) - 2 * coarse)[:, None]).nonzero()
         rows, cols = near[:, 0], near[:, 1]
         # then each remaining token's own bound
         bound = l2[rows] * self.residual_norm[cols] + ROUNDING * l1[rows] * self.abs_max[cols]
         value = approx[rows, cols]
         lower = torch.full((x.shape[0],), -torch.inf).scatter_reduce(0, rows, value - bound, "amax")
-        keep = value + bound >= lower[rows]
+        keep = softcap(value + bound, cap) >= softcap(lower, cap)[rows]
         rows, cols = rows[keep], cols[keep]
         approx[rows, cols] = (x[rows] * self.weight[cols]).sum(dim=-1)
-        return approx
+        return softcap(approx, cap)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """``cap * tanh(logits / cap)`` (HF's final logit soft-cap, its operations in its order); ``cap`` 0: the
+    logits as they are."""
+    if not cap:
+        return logits
+    return torch.tanh(logits / cap) * cap
 
 
 def applies(head: torch.nn.Module, rows: int) -> bool:

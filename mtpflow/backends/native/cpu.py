@@ -1,14 +1,16 @@
-"""The ``native_cpu`` backend: a Llama-family float32 model's forwards through mtpflow's C kernels.
+"""The ``native_cpu`` backend: a float32 model's forwards through mtpflow's C kernels, for every model its layer
+description (``description``: Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma 2, Gemma 3, Phi-3, SmolLM3) describes.
 
 On a CPU at small batch a decode step is bound by reading the weights. Here:
 - every verify forward (a plain step, a chain, a tree; one sequence or the engine's whole batch) runs all decoder
-  layers in ONE call into ``mtpflow_llama_rows`` (``rows_float.c``), over only the real rows;
-- prefills run the lean forward's layers in Python (``mtpflow.forward``, through ``torch_forward``: an ``hf``
-  backend over the same model) with this backend's products: the native row and panel kernels over the fused
-  q/k/v and gate/up weights;
-- a verify the kernel declines (a strategy wants the hidden states of inner layers, or a weight was replaced)
-  runs that same torch forward as a named fallback: counted in ``stats()`` and in the run's stats
-  (``backend_fallbacks``), never silently;
+  layers in ONE call into ``mtpflow_llama_rows`` (``rows_float.c``), over only the real rows, with the
+  hidden-state taps its strategies read (any layer's output);
+- prefills of a Llama run the lean forward's layers in Python (``mtpflow.forward``, through ``torch_forward``: an
+  ``hf`` backend over the same model) with this backend's products (the native row and panel kernels over the
+  fused q/k/v and gate/up weights), several prompts packed into one forward; every other family prefills through
+  ``mtpflow_llama_rows`` in chunks of ``rows.PREFILL_ROWS`` rows;
+- a verify the kernel declines (a weight was replaced) runs the torch forward as a named fallback: counted in
+  ``stats()`` and in the run's stats (``backend_fallbacks``), never silently;
 - greedy sequences whose stages read only each row's argmax get the certified int8 LM head
   (``certified_head``): the argmax exact at a quarter of the head's bytes;
 - ``self_draft`` drafts with the target's own layers over an int8 copy of their weights (``int8_draft``).
@@ -21,24 +23,25 @@ replaces chose native for every verify size on every host in docs/bench; see doc
 
 The user's model stays as loaded: no attribute is added and no class swapped. Its q/k/v and gate/up weights
 become views into one concatenated weight each (the same values, names, dtypes and state dict; no extra
-memory), which the fused products read; panel copies, int8 copies and the certified head belong to this object.
+memory), which the fused products read; panel copies, int8 copies, fused biases, ``1 + w`` norm scales and the
+certified head belong to this object.
 """
 from __future__ import annotations
 
 import time
+
 import torch
 import torch.nn.functional as F
 
 from mtpflow import forward as lean_forward
 from mtpflow.backends.base import Backend
-from mtpflow.backends.hf import HFBackend
+from mtpflow.backends.hf import HFBackend, own_taps
 from mtpflow.backends.native import kernel, openmp, products
-from mtpflow.backends.native.certified_head import CertifiedHead, applies as certified_applies
-from mtpflow.backends.native.rows import VerifyRows, verify_rows
+from mtpflow.backends.native.certified_head import CertifiedHead, applies as certified_applies, softcap
+from mtpflow.backends.native.description import describe, not_described
+from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
+                                          verify_rows)
 from mtpflow.types import Verification
-
-LLAMA = "transformers.models.llama.modeling_llama"
-
 
 def not_applicable(model, dtypes=(torch.float32,)) -> str | None:
     """Why this backend cannot run ``model`` (one line), or None where it can. ``dtypes``: the weight dtypes
@@ -53,24 +56,10 @@ def not_applicable(model, dtypes=(torch.float32,)) -> str | None:
         return "the weights were created under torch.inference_mode() (their in-place changes cannot be tracked)"
     if not kernel.available():
         return "mtpflow's C kernel could not be built here (no C compiler: set CC, or install cc/gcc)"
-    if not lean_forward.supports(model):
-        attn = getattr(model.config, "_attn_implementation", "?")
-        return f"it runs Llama-family models on SDPA attention, not {type(model).__name__} on {attn}"
-    try:
-        inner = model.model
-        layers = list(inner.layers[: model.config.num_hidden_layers])
-        norms = [inner.norm] + [n for b in layers for n in (b.input_layernorm, b.post_attention_layernorm)]
-        linears = [m for b in layers for m in (b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj,
-                                               b.self_attn.o_proj, b.mlp.gate_proj, b.mlp.up_proj, b.mlp.down_proj)]
-        ok = (getattr(model.config, "hidden_act", None) == "silu"
-              and all(type(b.self_attn).__module__ == LLAMA and type(b.mlp).__module__ == LLAMA for b in layers)
-              and all(type(n).__name__ == "LlamaRMSNorm"
-                      and float(n.variance_epsilon) == float(inner.norm.variance_epsilon) for n in norms)
-              and all(m.bias is None and m.weight.is_contiguous() for m in linears)
-              and layers[0].self_attn.head_dim % 2 == 0)
-    except (AttributeError, TypeError):
-        ok = False
-    return None if ok else "the model's layers are not plain Llama layers (norm, activation, biases or rotary differ)"
+    reason = not_described(model)
+    if reason is not None:
+        return f"{type(model).__name__}: {reason}"
+    return None
 
 
 def _fuse(parts: list[torch.nn.Linear]) -> torch.Tensor:
@@ -157,16 +146,19 @@ class NativeCPUBackend(Backend):
         if reason is not None:
             raise ValueError(reason)  # ``mtpflow.backends.create`` turns it into one line for the user
         self.lib = kernel.library()
-        layers = list(model.model.layers[: model.config.num_hidden_layers])
-        self.layers = layers
-        self.qkv = [_Fused([b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj]) for b in layers]
-        self.gate_up = [_Fused([b.mlp.gate_proj, b.mlp.up_proj]) for b in layers]
+        self.description = describe(model)
+        layers = self.description.layers
+        self.layers = list(model.model.layers[: model.config.num_hidden_layers])
+        self.qkv = [_Fused(list(layer.qkv)) for layer in layers]
+        self.gate_up = [_Fused(list(layer.gate_up)) for layer in layers]
         self.certified = bool(certified_head)
-        # the lean forward in torch over the same model with this backend's products: every prefill, and the
-        # verifies the kernel declines (named fallbacks)
+        # the torch forward over the same model: the lean forward with this backend's products for a Llama (its
+        # prefills, packed), the model's own forward for the other families; and every verify the kernel declines
+        # (named fallbacks)
         self.products = NativeProducts(self)
         self.torch_forward = HFBackend(model)
         self.torch_forward.products = self.products
+        self.prefill_in_torch = lean_forward.supports(model)
         self._panels: dict[int, tuple] = {}  # weight data_ptr -> (version, panel copy)
         self._head: CertifiedHead | None = None
         self._rows = _RowSpec(self)
@@ -204,16 +196,18 @@ class NativeCPUBackend(Backend):
         return held[1]
 
     def head_logits(self, normed: torch.Tensor, argmax_only: bool) -> torch.Tensor:
-        """The LM head over ``normed`` [..., rows, hidden]: the certified int8 head where every row's reader takes
-        only the argmax and it applies, else the native float32 product."""
+        """The LM head over ``normed`` [..., rows, hidden] (soft-capped where the model caps its logits): the
+        certified int8 head where every row's reader takes only the argmax and it applies, else the native
+        float32 product."""
         head = self.model.lm_head
+        cap = self.description.logit_softcap
         rows = normed.numel() // normed.shape[-1]
         if not (argmax_only and self.certified and certified_applies(head, rows)):
-            return self.module(head, normed)
+            return softcap(self.module(head, normed), cap)
         weight = head.weight
         if self._head is None or self._head.key != (weight.data_ptr(), weight._version):
             self._head = CertifiedHead(weight)
-        return self._head.logits(normed).view(*normed.shape[:-1], -1)
+        return self._head.logits(normed, cap).view(*normed.shape[:-1], -1)
 
     # ----- the interface ------------------------------------------------------------------------------------
     def takes_argmax_only(self) -> bool:
@@ -229,16 +223,18 @@ class NativeCPUBackend(Backend):
     def stats(self) -> dict:
         held = sum(p.numel() * 4 for _, p in self._panels.values())
         held += self._head.nbytes if self._head is not None else 0
-        held += self._rows.int8_bytes
+        held += self._rows.int8_bytes + self._rows.copies_bytes
         return {**super().stats(), "backend_copies_mb": round(held / 2**20, 1)}
 
+    @torch.inference_mode()
     def prefill(self, targets, prompts, prefix_cache=None, starts=None):
-        return self.torch_forward.prefill(targets, prompts, prefix_cache, starts)
+        if self.prefill_in_torch or not self._rows.ready():
+            return self.torch_forward.prefill(targets, prompts, prefix_cache, starts)
+        return prefill_through(lambda pool, rows, taps, last: self._rows.run_groups(pool, rows, taps, head_from=last),
+                               targets, prompts, starts)
 
     def declines(self, targets) -> str | None:
         """Why the kernel cannot run this verify (a fallback's name), or None where it runs it."""
-        if any(set(t.taps) - {-1} for t in targets):
-            return "hidden states of inner layers"
         if not self._rows.ready():
             return "a weight was replaced"
         return None
@@ -250,14 +246,15 @@ class NativeCPUBackend(Backend):
             return self.fall_back(reason, self.torch_forward.verify(targets, roots, drafts, root_positions))
         t0 = time.perf_counter()
         described = verify_rows(targets, roots, drafts, root_positions)
-        logits, hidden = self._rows.run_groups(targets[0].pool, described,
+        taps = tuple(sorted({t for target in targets for t in target.taps}))
+        logits, hidden = self._rows.run_groups(targets[0].pool, described, taps=taps,
                                                argmax_only=all(t.argmax_only for t in targets))
         seconds = time.perf_counter() - t0
         results = []
         for target, n, start in zip(targets, described.counts, described.starts):
             target.kv.length += n
             target.forwards += 1
-            h = hidden[start:start + n] if target.taps else None
+            h = own_taps(hidden[start:start + n], taps, target.taps) if target.taps else None
             results.append(Verification(logits=logits[start:start + n].float(), hidden=h, forward_seconds=seconds))
         return results
 
@@ -278,46 +275,101 @@ class NativeCPUBackend(Backend):
         one = torch.ones(1, 1, dtype=torch.uint8)
         length, token, drafted = target.cache_len, root, []
         for i in range(steps):
-            logits, _ = rows.run(target.pool, torch.tensor([[token]]), torch.tensor([[position + i]]),
-                                 [target.kv.slot], [length + i], [length + i], [0], [1], one, argmax_only=True,
-                                 int8=True)
-            token = int(logits[0, -1].argmax())
+            step = VerifyRows(torch.tensor([token]), torch.tensor([position + i]), one, [target.kv.slot],
+                              [length + i], [length + i], [0], [1], [0], [1])
+            logits, _ = rows.run_groups(target.pool, step, argmax_only=True, int8=True)
+            token = int(logits[-1].argmax())
             drafted.append(token)
         return drafted
 
 
+def _fused_bias(parts) -> torch.Tensor | None:
+    """One bias over ``parts``' outputs (zeros where a part has none), or None where none has one."""
+    if all(p.bias is None for p in parts):
+        return None
+    with torch.no_grad():
+        return torch.cat([p.bias.detach().float() if p.bias is not None else torch.zeros(p.out_features)
+                          for p in parts]).contiguous()
+
+
 class _RowSpec:
-    """What ``mtpflow_llama_rows`` is given for one model: its dimensions, the weights' pointer arrays, and what
-    to check before each call that the weights are still the ones pointed at."""
+    """What ``mtpflow_llama_rows`` is given for one model: its description's dimensions and constants, the weights'
+    pointer arrays, this backend's copies (fused biases, ``1 + w`` norm scales: made again when their parameters
+    change in place), and what to check before each call that the weights are still the ones pointed at."""
 
     def __init__(self, backend: NativeCPUBackend):
         self.backend = backend
-        model = backend.model
-        cfg = model.config
-        inner = model.model
-        layers = backend.layers
-        first = layers[0].self_attn
-        self.dims = dict(L=len(layers), H=int(cfg.hidden_size), nh=int(cfg.num_attention_heads),
-                         nkv=int(cfg.num_key_value_heads), d=int(first.head_dim), I=int(cfg.intermediate_size))
-        self.eps, self.scale = float(inner.norm.variance_epsilon), float(first.scaling)
-        self.norm = inner.norm.weight
-        plain = [m for block in layers for m in (block.input_layernorm, block.self_attn.o_proj,
-                                                 block.post_attention_layernorm, block.mlp.down_proj)] + [inner.norm]
-        # every parameter the kernel reads, with where it lay when the spec was built: ``ready`` compares them
+        desc = backend.description
+        layers = desc.layers
+        self.dims = dict(L=len(layers), H=desc.hidden, nh=desc.heads, nkv=desc.kv_heads, d=desc.head_dim,
+                         I=desc.intermediate)
+        self.constants = dict(eps=desc.eps, scale=desc.scale, rot=desc.rotary_dims, act=desc.activation,
+                              softcap=desc.attn_softcap)
+        self.rope_keys = [layer.rope for layer in layers]
+        windows = desc.windows
+        self.window = torch.tensor(windows, dtype=torch.int32) if any(windows) else None
+        # every parameter the kernel reads in place, with where it lay when the spec was built: ``ready`` compares
+        # them (a norm whose scale is its weight itself; the fused products check their parts themselves)
+        scales = {id(t) for t in self._norm_tensors(desc)}
+        norms = [m for m in desc.norm_modules if id(m.weight) in scales]
+        plain = [m for layer in layers for m in (layer.o, layer.down)] + norms
         self.watched = [(m._parameters, m._parameters["weight"].data_ptr()) for m in plain]
+        # what this spec's copies are made from (``copies``): the norms whose scale is ``1 + w``, every bias
+        self.copy_sources = [(m._parameters, "weight") for m in desc.norm_modules if id(m.weight) not in scales]
+        self.copy_sources += [(m._parameters, "bias") for layer in layers
+                              for m in (*layer.qkv, layer.o, *layer.gate_up, layer.down) if m.bias is not None]
         self.fused = backend.qkv + backend.gate_up
         # the products in the kernel's order: fused q/k/v, o_proj, fused gate/up, down_proj
-        self.weights_by_product = [[f.weight for f in backend.qkv], [b.self_attn.o_proj.weight for b in layers],
-                                   [f.weight for f in backend.gate_up], [b.mlp.down_proj.weight for b in layers]]
+        self.weights_by_product = [[f.weight for f in backend.qkv], [layer.o.weight for layer in layers],
+                                   [f.weight for f in backend.gate_up], [layer.down.weight for layer in layers]]
         # what tells each product's weight changed in place (a fused weight: its parts' counters too)
-        self.version_of = [[f for f in backend.qkv], [b.self_attn.o_proj for b in layers],
-                           [f for f in backend.gate_up], [b.mlp.down_proj for b in layers]]
+        self.version_of = [[f for f in backend.qkv], [layer.o for layer in layers],
+                           [f for f in backend.gate_up], [layer.down for layer in layers]]
         qkv, o, gu, down = (kernel.pointers(ws) for ws in self.weights_by_product)
-        self.weights = dict(ln1=kernel.pointers([b.input_layernorm.weight for b in layers]), wqkv=qkv, wo=o,
-                            ln2=kernel.pointers([b.post_attention_layernorm.weight for b in layers]), wgu=gu, wd=down)
+        self.weights = dict(wqkv=qkv, wo=o, wgu=gu, wd=down)
         self.kv = kernel.PoolPointers()  # the pool's key and value pointer arrays
         self._panels = None  # (the weights' versions, the panel pointer arrays)
         self._q8 = None  # (the weights' versions, int8 copies, their pointer arrays): ``int8`` builds it
+        self._copies = None  # (the copies' sources' versions, the copies, their struct members): ``copies``
+
+    @staticmethod
+    def _norm_tensors(desc) -> list:
+        return [desc.norm] + [t for layer in desc.layers for t in (layer.ln1, layer.post_attention, layer.ln2,
+                                                                 layer.post_mlp, layer.q_norm, layer.k_norm)
+                              if t is not None]
+
+    def copies(self) -> dict:
+        """The struct members read from this spec's copies (the norms' scales, the biases), made again when a
+        source changed in place (its version)."""
+        versions = tuple((id(owner[name]), owner[name]._version) for owner, name in self.copy_sources)
+        if self._copies is None or self._copies[0] != versions:
+            desc = describe(self.backend.model) if self._copies is not None else self.backend.description
+            self.backend.description = desc
+            layers = desc.layers
+            held = {"ln1": [layer.ln1 for layer in layers], "ln2": [layer.ln2 for layer in layers],
+                    "post_attn": [layer.post_attention for layer in layers],
+                    "post_mlp": [layer.post_mlp for layer in layers], "qn": [layer.q_norm for layer in layers],
+                    "kn": [layer.k_norm for layer in layers],
+                    "bqkv": [_fused_bias(layer.qkv) for layer in layers],
+                    "bo": [None if layer.o.bias is None else layer.o.bias.detach().float() for layer in layers],
+                    "bgu": [_fused_bias(layer.gate_up) for layer in layers],
+                    "bd": [None if layer.down.bias is None else layer.down.bias.detach().float() for layer in layers]}
+            members = {"ln1": kernel.pointers(held["ln1"]), "ln2": kernel.pointers(held["ln2"]),
+                       **{k: optional(v) for k, v in held.items() if k not in ("ln1", "ln2")},
+                       "norm_w": desc.norm.data_ptr()}
+            self._copies = (versions, (held, desc.norm), members)
+        return self._copies[2]
+
+    @property
+    def copies_bytes(self) -> int:
+        """Bytes of this spec's own copies (``1 + w`` scales, fused biases; the norms that are the model's own
+        parameters are not counted)."""
+        if self._copies is None:
+            return 0
+        own = {id(m.weight) for m in self.backend.description.norm_modules}
+        held, norm = self._copies[1]
+        tensors = [t for ts in held.values() for t in ts if t is not None] + [norm]
+        return sum(t.numel() * 4 for t in tensors if id(t) not in own)
 
     @staticmethod
     def _version(owner) -> tuple | int:
@@ -367,32 +419,24 @@ class _RowSpec:
                                                                 self.version_of)})
         return self._panels[1]
 
-    def run(self, pool, ids, positions, slots, wpos, prefix, first, count, allowed, argmax_only=False, int8=False):
-        """``mtpflow_llama_rows`` over the rows described (lists of ints, one entry per row; ``allowed`` a uint8
-        [rows, qmax] tensor): returns the LM head's logits [1, rows, vocab] and the normed last hidden states.
-        ``int8``: the products through the int8 copy (``int8``)."""
+    def run_groups(self, pool, rows: VerifyRows, taps=(), argmax_only=False, int8=False, head_from: int | None = 0):
+        """``mtpflow_llama_rows`` over ``rows`` (``verify_rows``, ``prefill_rows``): only real rows are computed (no
+        padding). Returns (the LM head's logits [rows - head_from, vocab], None where ``head_from`` is None; the
+        taps [rows, hidden * len(taps)] or None: layer outputs, -1 the final-normed state). ``int8``: the products
+        through the int8 copy (``int8``)."""
         backend = self.backend
-        pool.ensure(max(w + 1 for w in wpos))  # the pool has the weights' dtype and device: float32, CPU
+        pool.ensure(max(w + 1 for w in rows.wpos))  # the pool has the weights' dtype and device: float32, CPU
         keys, values = self.kv(pool)
-        inner = backend.model.model
-        h = inner.embed_tokens(ids).contiguous()
-        cos, sin = (t.contiguous() for t in inner.rotary_emb(h, position_ids=positions))
+        h = backend.description.embedding(rows.ids).contiguous()
         normed = torch.empty_like(h)
-        ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, first, count)]
-        m = len(slots)
-        code = kernel.llama_rows(backend.lib, h=h.data_ptr(), normed=normed.data_ptr(), M=m, **self.dims, **self.weights,
-                                 **(self.int8() if int8 else self.panels(m)), norm_w=self.norm.data_ptr(), eps=self.eps,
-                                 kc=keys, vc=values, cap=pool.capacity, slot=ints[0].data_ptr(), wpos=ints[1].data_ptr(),
-                                 prefix=ints[2].data_ptr(), first=ints[3].data_ptr(), count=ints[4].data_ptr(),
-                                 allowed=allowed.data_ptr(), qmax=allowed.shape[1], cos=cos.data_ptr(),
-                                 sin=sin.data_ptr(), scale=self.scale, threads=torch.get_num_threads())
+        members, tapped, held = call_members(rows, backend.description.rope, self.rope_keys, taps, h)
+        code = kernel.llama_rows(backend.lib, h=h.data_ptr(), normed=normed.data_ptr(), **members, **self.dims,
+                                 **self.weights, **self.copies(), **self.constants,
+                                 **(self.int8() if int8 else self.panels(members["M"])),
+                                 window=None if self.window is None else self.window.data_ptr(), kc=keys, vc=values,
+                                 cap=pool.capacity, threads=torch.get_num_threads())
         if code != 0:
             raise MemoryError("mtpflow_llama_rows: out of memory")
-        return backend.head_logits(normed, argmax_only), normed
-
-    def run_groups(self, pool, rows: VerifyRows, argmax_only=False):
-        """A verify forward over ``rows`` (``verify_rows``): only real rows are computed (no padding). Returns
-        (logits [rows, vocab], normed hidden [rows, hidden])."""
-        logits, normed = self.run(pool, rows.ids[None], rows.positions[None], rows.slots, rows.wpos, rows.prefix,
-                                  rows.first, rows.count, rows.allowed, argmax_only)
-        return logits[0], normed[0]
+        del held
+        logits = None if head_from is None else backend.head_logits(normed[head_from:], argmax_only)
+        return logits, tap_outputs(tapped, normed, taps)

@@ -10,7 +10,7 @@ on the other rows in the call).
 ``quantize_model`` builds the int8 weights at load time and frees the float32 weights of the decoder layers and
 the LM head (a model that fits in int8 but not in float32 runs); an embedding table of its own stays float32 (one
 row read per token); one tied to the head is read from the int8 head's rows. Every forward of this backend goes
-through the C kernel: prefills (in chunks of ``PREFILL_ROWS`` rows), verifies (with the hidden-state taps a
+through the C kernel: prefills (in chunks of ``rows.PREFILL_ROWS`` rows), verifies (with the hidden-state taps a
 strategy asks for) and the self-draft.
 """
 from __future__ import annotations
@@ -24,13 +24,12 @@ import torch
 from mtpflow.backends.base import Backend
 from mtpflow.backends.hf import own_taps
 from mtpflow.backends.native import kernel, openmp, products
-from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model
-from mtpflow.backends.native.rows import verify_rows
+from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
+from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
+                                          verify_rows)
 from mtpflow.errors import UserError
 from mtpflow.types import Verification
 
-# prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
-PREFILL_ROWS = 256
 # the weights an int8 model is made from: a model too large for the memory in float32 loads in bfloat16
 # (model.dtype=bfloat16) and is quantized layer by layer
 SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -38,12 +37,14 @@ SOURCE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 class Int8Rows(torch.nn.Module):
     """The int8 LM head of the int8 model in the model's place (and, where the head is tied to it, its input
-    embedding): ``forward(ids)`` looks rows up, ``weight`` is the float table ``q * scale`` made on each read (a
-    draft head's vocabulary projection, a vocabulary size). The model's own forward does not run any more."""
+    embedding, times the model's embedding scale where it has one): ``forward(ids)`` looks rows up, ``weight`` is
+    the float table ``q * scale`` made on each read (a draft head's vocabulary projection, a vocabulary size). The
+    model's own forward does not run any more."""
 
-    def __init__(self, head: Int8Linear):
+    def __init__(self, head: Int8Linear, embed_scale: float | None = None):
         super().__init__()
         self.head = head
+        self.embed_scale = embed_scale
         self.num_embeddings = self.out_features = head.n
         self.embedding_dim = self.in_features = head.k
 
@@ -56,7 +57,10 @@ class Int8Rows(torch.nn.Module):
         return self.head.dequantized(ids)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head.dequantized(ids).view(*ids.shape, -1)
+        rows = self.head.dequantized(ids)
+        if self.embed_scale is not None:
+            rows = rows * torch.tensor(self.embed_scale, dtype=rows.dtype)
+        return rows.view(*ids.shape, -1)
 
 
 def quantize_model(model, reason: str | None) -> Int8Weights:
@@ -76,8 +80,8 @@ def quantize_model(model, reason: str | None) -> Int8Weights:
     with torch.no_grad():
         rows = Int8Rows(weights.head)
         model.lm_head = rows
-        if weights.embed is None:  # tied
-            inner.embed_tokens = rows
+        if weights.embed is None:  # tied (one module where the embedding is not scaled)
+            inner.embed_tokens = rows if weights.embed_scale is None else Int8Rows(weights.head, weights.embed_scale)
         model.float()  # what is left (norms, an embedding of its own) as the int8 model reads it: float32
     _return_freed_memory()
     return weights
@@ -112,82 +116,57 @@ class NativeInt8Backend(Backend):
             self._arrays["w" + key] = kernel.pointers([x.q for x in lin[name]])
             self._arrays["s" + key] = kernel.pointers([x.scale for x in lin[name]])
             self._arrays["z" + key] = kernel.pointers([x.wsum for x in lin[name]])
+        for key, name in (("post_attn", "post_attention"), ("post_mlp", "post_mlp"), ("qn", "q_norm"),
+                          ("kn", "k_norm"), ("bqkv", "bqkv"), ("bo", "bo"), ("bgu", "bgu"), ("bd", "bd")):
+            self._arrays[key] = optional([getattr(layer, name) for layer in layers])
+        windows = [layer.window for layer in layers]
+        self._window = torch.tensor(windows, dtype=torch.int32) if any(windows) else None
+        self._rope_keys = [layer.rope for layer in layers]
         first = layers[0]
         self._dims = dict(L=len(layers), H=w.hidden, nh=w.heads, nkv=w.kv_heads, d=w.head_dim, I=w.intermediate,
-                          kp_h=first.qkv.kp, kp_q=first.o.kp, kp_i=first.down.kp)
+                          kp_h=first.qkv.kp, kp_q=first.o.kp, kp_i=first.down.kp, rot=w.rotary_dims, act=w.activation,
+                          softcap=w.attn_softcap, eps=w.eps, scale=w.attn_scale)
         self.kv = kernel.PoolPointers()
 
     # ----- the kernel ---------------------------------------------------------------------------------------
-    def run(self, pool, ids, positions, slots, wpos, prefix, count, allowed, taps=(), head_from: int | None = 0,
-            layers: int | None = None):
-        """``mtpflow_w8a8_rows`` over rows described as for ``mtpflow_llama_rows`` (lists of ints, one per row;
-        ``allowed`` a uint8 [rows, qmax] tensor), the int8 LM head in the same call. Returns (the logits
-        [rows - head_from, vocab] of rows ``head_from`` on, None where ``head_from`` is None; the taps
-        [rows, H * len(taps)] or None: layer outputs, -1 the final-normed state). ``layers``: the first ``layers``
-        layers only, then the final norm and the head."""
-        pool.ensure(max(w + 1 for w in wpos))
+    def run(self, pool, rows: VerifyRows, taps=(), head_from: int | None = 0, layers: int | None = None):
+        """``mtpflow_w8a8_rows`` over ``rows`` (``verify_rows``, ``prefill_rows``), the int8 LM head in the same call.
+        Returns (the logits [rows - head_from, vocab] of rows ``head_from`` on, soft-capped where the model caps them,
+        None where ``head_from`` is None; the taps [rows, H * len(taps)] or None: layer outputs, -1 the final-normed
+        state). ``layers``: the first ``layers`` layers only, then the final norm and the head."""
+        pool.ensure(max(w + 1 for w in rows.wpos))
         keys, values = self.kv(pool)
-        h = self.w.embedding(ids).contiguous()
-        cos, sin = self.w.rope.rows(positions)
-        m = len(slots)
+        h = self.w.embedding(rows.ids).contiguous()
         normed = torch.empty_like(h)
-        tapped = {t: torch.empty_like(h) for t in taps if t >= 0}
-        tap_array = None
-        if tapped:
-            tap_array = (ctypes.c_void_p * self._dims["L"])(
-                *[tapped[i].data_ptr() if i in tapped else None for i in range(self._dims["L"])])
+        members, tapped, held = call_members(rows, self.w.rope, self._rope_keys, taps, h)
+        m = members["M"]
         head = self.w.head
         logits = None if head_from is None else torch.empty(m - head_from, head.n)
-        ints = [torch.tensor(v, dtype=torch.int32) for v in (slots, wpos, prefix, count)]
         code = kernel.w8a8_rows(
-            self.lib, h=h.data_ptr(), normed=normed.data_ptr(), taps=ctypes.addressof(tap_array) if tap_array else None,
-            M=m, **{**self._dims, "L": layers or self._dims["L"]}, **self._arrays, norm_w=self.w.norm.data_ptr(),
-            eps=self.w.eps, kc=keys, vc=values,
-            cap=pool.capacity, slot=ints[0].data_ptr(), wpos=ints[1].data_ptr(), prefix=ints[2].data_ptr(),
-            count=ints[3].data_ptr(), allowed=allowed.data_ptr(), qmax=allowed.shape[1], cos=cos.data_ptr(),
-            sin=sin.data_ptr(), scale=self.w.attn_scale, threads=torch.get_num_threads(),
-            head_q=head.q.data_ptr(), head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n,
-            head_from=head_from or 0, logits=None if logits is None else logits.data_ptr())
+            self.lib, h=h.data_ptr(), normed=normed.data_ptr(), **members, **{**self._dims, "L": layers or self._dims["L"]},
+            **self._arrays, norm_w=self.w.norm.data_ptr(), window=None if self._window is None else self._window.data_ptr(),
+            kc=keys, vc=values, cap=pool.capacity, threads=torch.get_num_threads(), head_q=head.q.data_ptr(),
+            head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n, head_from=head_from or 0,
+            logits=None if logits is None else logits.data_ptr())
         if code != 0:
             raise MemoryError("mtpflow_w8a8_rows: out of memory")
-        hidden = None
-        if taps:
-            tapped[-1] = normed
-            hidden = torch.cat([tapped[t] for t in taps], dim=-1) if len(taps) > 1 else tapped[taps[0]]
-        return logits, hidden
+        del held
+        if logits is not None:
+            logits = softcap(logits, self.w.logit_softcap)
+        return logits, tap_outputs(tapped, normed, taps)
 
     # ----- the interface ------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, targets, prompts, prefix_cache=None, starts=None):
-        starts = starts or [0] * len(targets)
-        out = []
-        for target, tokens, start in zip(targets, prompts, starts):
-            n = int(tokens.numel())
-            taps = target.taps
-            parts, logits = [], None
-            for lo in range(0, n, PREFILL_ROWS):
-                hi = min(n, lo + PREFILL_ROWS)
-                length = target.kv.length
-                rows = hi - lo
-                allowed = torch.ones(rows, rows, dtype=torch.bool).tril_().to(torch.uint8)
-                positions = torch.arange(start + lo, start + hi) - target.position_shift
-                logits, hidden = self.run(target.pool, tokens[lo:hi], positions, [target.kv.slot] * rows,
-                                          list(range(length, length + rows)), [length] * rows, [rows] * rows,
-                                          allowed, taps, head_from=rows - 1 if hi == n else None)
-                target.kv.length = length + rows
-                if hidden is not None:
-                    parts.append(hidden)
-            target.forwards += 1
-            out.append((logits, torch.cat(parts) if parts else None))
-        return out
+        return prefill_through(lambda pool, rows, taps, last: self.run(pool, rows, taps, head_from=last), targets,
+                               prompts, starts)
 
     @torch.inference_mode()
     def verify(self, targets, roots, drafts, root_positions):
         t0 = time.perf_counter()
         rows = verify_rows(targets, roots, drafts, root_positions)
         taps = tuple(sorted({t for target in targets for t in target.taps}))
-        logits, hidden = self.run(targets[0].pool, rows.ids, rows.positions, rows.slots, rows.wpos, rows.prefix,
-                                  rows.count, rows.allowed, taps)
+        logits, hidden = self.run(targets[0].pool, rows, taps)
         seconds = time.perf_counter() - t0
         results = []
         for target, n, first in zip(targets, rows.counts, rows.starts):
@@ -208,8 +187,9 @@ class NativeInt8Backend(Backend):
         one = torch.ones(1, 1, dtype=torch.uint8)
         length, token, drafted = target.cache_len, root, []
         for i in range(steps):
-            logits, _ = self.run(target.pool, torch.tensor([token]), torch.tensor([position + i]), [target.kv.slot],
-                                 [length + i], [length + i], [1], one, layers=layers)
+            step = VerifyRows(torch.tensor([token]), torch.tensor([position + i]), one, [target.kv.slot],
+                              [length + i], [length + i], [0], [1], [0], [1])
+            logits, _ = self.run(target.pool, step, layers=layers)
             token = int(logits[0].argmax())
             drafted.append(token)
         return drafted

@@ -1,27 +1,35 @@
 """The int8 model (``model.quantize=int8``): its numerics, defined once, in torch.
 
-A Llama-family model quantized by ``quantize_model`` is this model, and its forward is ``Int8Reference.forward``:
+A model its layer description describes (``description``: every family of ``description.FAMILIES``), quantized by
+``quantize_model``, is this model, and its forward is ``Int8Reference.forward``:
 - every linear of the decoder layers and the LM head: int8 weights ``q [N, K]`` with one float32 scale per output
   feature (symmetric: ``scale = max|w_n| / 127``, ``q = round(w / scale)``);
 - its input quantized per row: ``s = max|x| / 127`` (1 for a row of zeros), ``xq = round(x / s)`` clamped to
   +-127, ``round`` half to even;
 - the product: the exact integer ``dot = sum_k xq q``, then ``y = (float(dot) * s) * scale`` (float32, that
-  order). Each row's result depends on that row alone: a batched verify gives exactly what its rows give one at a
-  time;
+  order), then ``+ bias`` where the product has one. Each row's result depends on that row alone: a batched verify
+  gives exactly what its rows give one at a time;
 - RMSNorm: the mean square summed in float64, rounded once, then ``w * (x * (1 / sqrt(ms + eps)))`` in float32
-  (a correctly rounded square root);
-- rotary from one table of cos / sin per position (``Rope``), ``x * cos + rotate_half(x) * sin``;
-- attention: scores ``float(q . k) * scale`` with the dot in float64, softmax ``vexp(s - max)`` (the polynomial
-  below, also in SiLU), its sum and the weighted values in float64, each rounded once: ``float(sum e v) * (1 /
-  float(sum e))``;
-- SiLU: ``(g / (1 + vexp(-g))) * u``; residuals in float32; the embedding: the model's float table (for a head
-  tied to it, the int8 head's rows times their scales: ``Int8Weights.embedding``).
+  (a correctly rounded square root; ``w`` the norm's scale: its weight, or ``1 + w`` computed once in float32); the
+  same over each query and key head where the model norms them, and over the attention's and the MLP's outputs
+  where it norms those;
+- rotary from one table of cos / sin per position and layer kind (``description.RopeTable``: the model's own
+  ``rotary_emb``), ``x * cos + rotate_half(x) * sin`` over a head's first ``rotary_dims`` values;
+- attention: scores ``float(q . k) * scale`` with the dot in float64, soft-capped where the model caps them
+  (``tanh(s / c) * c``), over the keys the layer's sliding window reaches; softmax ``vexp(s - max)`` (the
+  polynomial below), its sum and the weighted values in float64, each rounded once:
+  ``float(sum e v) * (1 / float(sum e))``;
+- the gated MLP ``act(g) * u``: SiLU ``g / (1 + vexp(-g))``, GELU-tanh ``g / (1 + vexp(t * -2))`` with
+  ``t = ((((g * g) * g) * 0.044715) + g) * 0.7978845608``; ``tanh(y) = 1 - 2 / (1 + vexp(y + y))``; residuals in
+  float32; the embedding: the model's float table (for a head tied to it, the int8 head's rows times their
+  scales: ``Int8Weights.embedding``), times the model's embedding scale where it has one; the logits soft-capped
+  where the model caps them (``softcap``).
 
-The C kernel (``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in gemm.c and rows_int8.c, no fused multiply-adds between
-its products) computes the same operations. Sums in float64 are rounded once to float32, so their order does not
-matter except when a sum lies within float64 rounding of a float32 rounding boundary (the tests measure how often
-that is: never, in the cases they run). "Lossless" over the int8 model means token-identical to
-``Int8Reference.greedy``: one token at a time.
+The C kernel (``mtpflow_w8a8_rows`` and ``mtpflow_gemm_w8a8`` in gemm.c and rows_int8.c, no fused multiply-adds
+between its products; ``rows_common.h`` for the activations) computes the same operations. Sums in float64 are
+rounded once to float32, so their order does not matter except when a sum lies within float64 rounding of a
+float32 rounding boundary (the tests measure how often that is: never, in the cases they run). "Lossless" over the
+int8 model means token-identical to ``Int8Reference.greedy``: one token at a time.
 """
 from __future__ import annotations
 
@@ -29,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mtpflow.backends.native.description import GELU_TANH, SILU, describe
 from mtpflow.backends.native.products import pack_q8, quantize_int8, unpack_q8
 
 F32 = torch.float32
@@ -83,41 +92,29 @@ class Int8Linear:
 
 @dataclass
 class Int8Layer:
-    ln1: torch.Tensor     # [H] input RMSNorm weight (float32)
+    ln1: torch.Tensor     # [H] input RMSNorm scale (float32)
     qkv: Int8Linear       # q rows, then k rows, then v rows
     o: Int8Linear
-    ln2: torch.Tensor
+    ln2: torch.Tensor     # [H] the MLP's input norm scale
     gate_up: Int8Linear   # gate rows, then up rows
     down: Int8Linear
-
-
-class Rope:
-    """cos / sin [positions, head_dim] of a model's rotary embedding, computed in fixed chunks of positions (the
-    same values whichever rows ask for them: torch's vectorized cos / sin may round a tensor's tail differently)."""
-
-    STEP = 1024
-
-    def __init__(self, rotary_emb, dtype=F32):
-        self.rotary_emb, self.dtype = rotary_emb, dtype
-        self.cos = self.sin = torch.empty(0, 0)
-
-    def rows(self, positions: torch.Tensor):
-        need = int(positions.max()) + 1 if positions.numel() else 0
-        while self.cos.shape[0] < need:
-            start = self.cos.shape[0]
-            pos = torch.arange(start, start + self.STEP)[None]
-            with torch.no_grad():
-                cos, sin = self.rotary_emb(torch.empty(1, dtype=self.dtype), position_ids=pos)
-            self.cos = torch.cat([self.cos.reshape(-1, cos.shape[-1]), cos[0].float()])
-            self.sin = torch.cat([self.sin.reshape(-1, sin.shape[-1]), sin[0].float()])
-        return self.cos[positions].contiguous(), self.sin[positions].contiguous()
+    post_attention: torch.Tensor | None = None  # [H] the norm of the attention's output, before the residual
+    post_mlp: torch.Tensor | None = None        # [H] the norm of the MLP's output
+    q_norm: torch.Tensor | None = None          # [d] each query head's norm, before the rotary
+    k_norm: torch.Tensor | None = None          # [d]
+    bqkv: torch.Tensor | None = None            # biases (float32) of the four products
+    bo: torch.Tensor | None = None
+    bgu: torch.Tensor | None = None
+    bd: torch.Tensor | None = None
+    window: int = 0                             # 0: every key; w: the keys of the last w positions
+    rope: str | None = "default"                # its table's key in ``Int8Weights.rope`` (None: no rotary)
 
 
 @dataclass
 class Int8Weights:
     """Everything the int8 model's forward reads (``quantize_model`` builds it)."""
     layers: list[Int8Layer]
-    norm: torch.Tensor            # [H] final RMSNorm weight
+    norm: torch.Tensor            # [H] final RMSNorm scale
     head: Int8Linear              # [vocab, H]
     embed: torch.Tensor | None    # [vocab, H] float32 lookup table; None: the head is tied to the embedding
     eps: float
@@ -126,12 +123,18 @@ class Int8Weights:
     head_dim: int
     intermediate: int
     attn_scale: float
-    rope: Rope
+    rope: dict                    # {key: description.RopeTable}
+    rotary_dims: int = 0          # the rotary values of a head (its first ones; head_dim: all)
+    activation: int = SILU        # of the gate: description.SILU or GELU_TANH
+    attn_softcap: float = 0.0     # 0: none
+    logit_softcap: float = 0.0
+    embed_scale: float | None = None
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [len(ids), H] of token ``ids``: the float table's rows, or for a head tied to the
-        embedding the int8 head's rows times their scales."""
-        return self.head.dequantized(ids) if self.embed is None else self.embed[ids.reshape(-1)]
+        embedding the int8 head's rows times their scales; times the embedding scale where the model has one."""
+        rows = self.head.dequantized(ids) if self.embed is None else self.embed[ids.reshape(-1)]
+        return rows if self.embed_scale is None else rows * _c(self.embed_scale)
 
     @property
     def hidden(self) -> int:
@@ -152,20 +155,31 @@ def _packed_bytes(*weights: torch.Tensor) -> int:
     return -(-n // Q8_NB) * Q8_NB * -(-k // Q8_STEP) * Q8_STEP
 
 
+def _bias(*linears) -> torch.Tensor | None:
+    """One float32 bias over ``linears``' outputs (zeros where one has none), or None where none has one."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+                      for m in linears]).contiguous()
+
+
+def _scale(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach().float().clone()
+
+
 def quantize_model(model, release=None) -> Int8Weights:
-    """The int8 model of a Llama-family ``model`` (float32, bfloat16 or float16 weights; callers check it applies:
-    the ``native_cpu`` backend's ``not_applicable``). The int8 weights go into one buffer, in the order a forward
-    reads them: the kernel then streams one region from memory (docs/bench/int8_dec05.md#kernel-figures has what
-    the layout measured). ``release(module)``: called
-    with each decoder layer once it is quantized, then with the LM head: where the caller frees their weights, the
-    process never holds the whole model twice (the buffer's pages become resident as they are filled)."""
-    inner, cfg = model.model, model.config
-    blocks = list(inner.layers[: cfg.num_hidden_layers])
-    parts = lambda b: ((b.self_attn.q_proj.weight, b.self_attn.k_proj.weight, b.self_attn.v_proj.weight),  # noqa: E731
-                       (b.self_attn.o_proj.weight,), (b.mlp.gate_proj.weight, b.mlp.up_proj.weight),
-                       (b.mlp.down_proj.weight,))
-    head_weight = model.lm_head.weight
-    sizes = [_packed_bytes(*group) for b in blocks for group in parts(b)] + [_packed_bytes(head_weight)]
+    """The int8 model of ``model`` (float32, bfloat16 or float16 weights; callers check it applies: the
+    ``native_cpu`` backend's ``not_applicable``), from its layer description. The int8 weights go into one buffer,
+    in the order a forward reads them: the kernel then streams one region from memory
+    (docs/bench/int8_dec05.md#kernel-figures has what the layout measured). ``release(module)``: called with each
+    decoder layer once it is quantized, then with the LM head: where the caller frees their weights, the process
+    never holds the whole model twice (the buffer's pages become resident as they are filled)."""
+    desc = describe(model)
+    blocks = list(model.model.layers[: model.config.num_hidden_layers])
+    parts = lambda layer: (tuple(m.weight for m in layer.qkv), (layer.o.weight,),  # noqa: E731
+                           tuple(m.weight for m in layer.gate_up), (layer.down.weight,))
+    head_weight = desc.head.weight
+    sizes = [_packed_bytes(*group) for layer in desc.layers for group in parts(layer)] + [_packed_bytes(head_weight)]
     buffer = torch.empty(sum(sizes), dtype=torch.int8)
     at = [0]
 
@@ -179,22 +193,21 @@ def quantize_model(model, release=None) -> Int8Weights:
 
     layers = []
     with torch.no_grad():
-        for b in blocks:
-            qkv, o, gate_up, down = (into_buffer(*group) for group in parts(b))
-            layers.append(Int8Layer(b.input_layernorm.weight.detach().float().clone(), qkv, o,
-                                    b.post_attention_layernorm.weight.detach().float().clone(), gate_up, down))
+        for layer, block in zip(desc.layers, blocks):
+            qkv, o, gate_up, down = (into_buffer(*group) for group in parts(layer))
+            layers.append(Int8Layer(
+                _scale(layer.ln1), qkv, o, _scale(layer.ln2), gate_up, down, _scale(layer.post_attention),
+                _scale(layer.post_mlp), _scale(layer.q_norm), _scale(layer.k_norm), _bias(*layer.qkv),
+                _bias(layer.o), _bias(*layer.gate_up), _bias(layer.down), layer.window, layer.rope))
             if release is not None:
-                release(b)
+                release(block)
         head = into_buffer(head_weight)
-        embed_weight = inner.embed_tokens.weight
-        tied = embed_weight.data_ptr() == head_weight.data_ptr()  # then: the int8 head's rows
-        embed = None if tied else embed_weight.detach().float()
+        embed = None if desc.tied else desc.embedding.weight.detach().float()  # tied: the int8 head's rows
         if release is not None:
-            release(model.lm_head)
-    first = blocks[0].self_attn
-    return Int8Weights(layers, inner.norm.weight.detach().float().clone(), head, embed,
-                       float(inner.norm.variance_epsilon), int(cfg.num_attention_heads), int(cfg.num_key_value_heads),
-                       int(first.head_dim), int(cfg.intermediate_size), float(first.scaling), Rope(inner.rotary_emb))
+            release(desc.head)
+    return Int8Weights(layers, _scale(desc.norm), head, embed, desc.eps, desc.heads, desc.kv_heads, desc.head_dim,
+                       desc.intermediate, desc.scale, desc.rope, desc.rotary_dims, desc.activation, desc.attn_softcap,
+                       desc.logit_softcap, desc.embed_scale)
 
 
 # ----- the operations ---------------------------------------------------------------------------------------------
@@ -259,20 +272,43 @@ def linear(x: torch.Tensor, lin: Int8Linear, cache: dict | None = None) -> torch
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [rows, heads, d], cos / sin [rows, d]: ``x * cos + rotate_half(x) * sin``."""
-    half = x.shape[-1] // 2
-    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None] + turned * sin[:, None]
+    """x [rows, heads, d], cos / sin [rows, rot]: ``x * cos + rotate_half(x) * sin`` over each head's first ``rot``
+    values, the rest as they are."""
+    rot = cos.shape[-1]
+    half = rot // 2
+    turned = torch.cat([-x[..., half:rot], x[..., :half]], dim=-1)
+    return torch.cat([x[..., :rot] * cos[:, None] + turned * sin[:, None], x[..., rot:]], dim=-1)
+
+
+def tanh(y: torch.Tensor) -> torch.Tensor:
+    """``1 - 2 / (1 + vexp(y + y))`` (rows_common.h's ``vtanh``)."""
+    return _c(1.0) - _c(2.0) / (_c(1.0) + vexp(y + y))
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """``tanh(x / cap) * cap`` (``cap`` 0: ``x``): the soft-cap of scores and of logits."""
+    if not cap:
+        return x
+    return tanh(x / _c(cap)) * _c(cap)
+
+
+def gated(g: torch.Tensor, u: torch.Tensor, activation: int) -> torch.Tensor:
+    """``act(g) * u`` (rows_common.h's ``gated``): SiLU or GELU-tanh, as the module docstring writes them."""
+    if activation == SILU:
+        return (g / (_c(1.0) + vexp(-g))) * u
+    assert activation == GELU_TANH
+    t = ((((g * g) * g) * _c(0.044715)) + g) * _c(0.7978845608)
+    return (g / (_c(1.0) + vexp(t * _c(-2.0)))) * u
 
 
 def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-              scale: float) -> torch.Tensor:
+              scale: float, cap: float = 0.0) -> torch.Tensor:
     """q [rows, heads, d] over keys / values [kv_heads, n, d]; visible [rows, n] bool -> [rows, heads * d]."""
     rows, heads, d = q.shape
     group = heads // keys.shape[0]
     k = keys.repeat_interleave(group, dim=0).double()  # [heads, n, d]
     v = values.repeat_interleave(group, dim=0).double()
-    scores = (q.transpose(0, 1).double() @ k.transpose(1, 2)).float() * _c(scale)  # [heads, rows, n]
+    scores = softcap((q.transpose(0, 1).double() @ k.transpose(1, 2)).float() * _c(scale), cap)  # [heads, rows, n]
     scores = scores.masked_fill(~visible[None], -torch.inf)
     m = scores.amax(dim=-1, keepdim=True)
     e = torch.where(visible[None], vexp(scores - m), _c(0.0))
@@ -307,30 +343,43 @@ class Int8Reference:
         w = self.w
         n, start = int(ids.numel()), self.length
         positions = torch.arange(start, start + n)
-        cos, sin = w.rope.rows(positions)
-        visible = torch.arange(start + n)[None] <= positions[:, None]
+        tables = {key: table.rows(positions) for key, table in w.rope.items()}
+        causal = torch.arange(start + n)[None] <= positions[:, None]
         h = w.embedding(ids)
-        nq, nk = w.heads * w.head_dim, w.kv_heads * w.head_dim
+        nq, nk, d = w.heads * w.head_dim, w.kv_heads * w.head_dim, w.head_dim
         tapped = {}
+
+        def plus(y, bias):
+            return y if bias is None else y + bias
+
+        def normed(x, scale):
+            return x if scale is None else rmsnorm(x, scale, w.eps)
+
         for index, layer in enumerate(w.layers):
-            qkv = linear(rmsnorm(h, layer.ln1, w.eps), layer.qkv, self.float_weights)
-            q = rotary(qkv[:, :nq].reshape(n, w.heads, w.head_dim), cos, sin)
-            k = rotary(qkv[:, nq:nq + nk].reshape(n, w.kv_heads, w.head_dim), cos, sin)
-            v = qkv[:, nq + nk:].reshape(n, w.kv_heads, w.head_dim)
+            qkv = plus(linear(rmsnorm(h, layer.ln1, w.eps), layer.qkv, self.float_weights), layer.bqkv)
+            q = normed(qkv[:, :nq].reshape(n, w.heads, d), layer.q_norm)
+            k = normed(qkv[:, nq:nq + nk].reshape(n, w.kv_heads, d), layer.k_norm)
+            v = qkv[:, nq + nk:].reshape(n, w.kv_heads, d)
+            if layer.rope is not None:
+                cos, sin = tables[layer.rope]
+                q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             if len(self.keys) <= index:
-                self.keys.append(torch.empty(w.kv_heads, 0, w.head_dim))
-                self.values.append(torch.empty(w.kv_heads, 0, w.head_dim))
+                self.keys.append(torch.empty(w.kv_heads, 0, d))
+                self.values.append(torch.empty(w.kv_heads, 0, d))
             self.keys[index] = torch.cat([self.keys[index], k.transpose(0, 1)], dim=1)
             self.values[index] = torch.cat([self.values[index], v.transpose(0, 1)], dim=1)
-            att = attention(q, self.keys[index], self.values[index], visible, w.attn_scale)
-            h = h + linear(att, layer.o, self.float_weights)
-            gu = linear(rmsnorm(h, layer.ln2, w.eps), layer.gate_up, self.float_weights)
-            g, u = gu[:, :w.intermediate], gu[:, w.intermediate:]
-            h = h + linear((g / (_c(1.0) + vexp(-g))) * u, layer.down, self.float_weights)
+            visible = causal
+            if layer.window:
+                visible = causal & (positions[:, None] - torch.arange(start + n)[None] < layer.window)
+            att = attention(q, self.keys[index], self.values[index], visible, w.attn_scale, w.attn_softcap)
+            h = h + normed(plus(linear(att, layer.o, self.float_weights), layer.bo), layer.post_attention)
+            gu = plus(linear(rmsnorm(h, layer.ln2, w.eps), layer.gate_up, self.float_weights), layer.bgu)
+            act = gated(gu[:, :w.intermediate], gu[:, w.intermediate:], w.activation)
+            h = h + normed(plus(linear(act, layer.down, self.float_weights), layer.bd), layer.post_mlp)
             if index in taps:
                 tapped[index] = h
-        normed = rmsnorm(h, w.norm, w.eps)
-        return linear(normed, w.head, self.float_weights), normed, tapped
+        final = rmsnorm(h, w.norm, w.eps)
+        return softcap(linear(final, w.head, self.float_weights), w.logit_softcap), final, tapped
 
     def greedy(self, prompt: torch.Tensor, max_new_tokens: int, eos_ids=()) -> list[int]:
         """The int8 model's greedy continuation of ``prompt`` (a fresh cache), one token per forward, stopping

@@ -175,11 +175,14 @@ class LinearArgs(ctypes.Structure):
 class RowsArgs(ctypes.Structure):
     """``struct mtpflow_rows_args`` of rows_float.c (a float32 model's verify rows), member for member: its one
     mirror."""
-    _fields_ = _members((INT, "version", "size"), (PTR, "h", "normed"), (INT, "M", "L", "H", "nh", "nkv", "d", "I"),
-                        (PTR, "ln1", "wqkv", "wo", "ln2", "wgu", "wd", "pqkv", "po", "pgu", "pd", "norm_w"),
+    _fields_ = _members((INT, "version", "size"), (PTR, "h", "normed", "taps"),
+                        (INT, "M", "L", "H", "nh", "nkv", "d", "I"),
+                        (PTR, "ln1", "wqkv", "wo", "ln2", "wgu", "wd", "pqkv", "po", "pgu", "pd", "post_attn",
+                         "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "window", "cos", "sin"),
+                        (INT, "rot", "act"), (FLOAT, "softcap"), (PTR, "norm_w"),
                         (FLOAT, "eps"), (PTR, "kc", "vc"), (LONG, "cap"),
-                        (PTR, "slot", "wpos", "prefix", "first", "count", "allowed"), (INT, "qmax"),
-                        (PTR, "cos", "sin"), (FLOAT, "scale"), (INT, "threads"),
+                        (PTR, "slot", "wpos", "prefix", "first", "count", "pos", "allowed"), (INT, "qmax"),
+                        (FLOAT, "scale"), (INT, "threads"),
                         (PTR, "qqkv", "sqkv", "qo", "so", "qgu", "sgu", "qd", "sd"))
 
 
@@ -188,9 +191,10 @@ class W8A8Args(ctypes.Structure):
     _fields_ = _members((INT, "version", "size"), (PTR, "h", "normed", "taps"),
                         (INT, "M", "L", "H", "nh", "nkv", "d", "I", "kp_h", "kp_q", "kp_i"),
                         (PTR, "ln1", "ln2", "wqkv", "wo", "wgu", "wd", "sqkv", "so", "sgu", "sd", "zqkv", "zo", "zgu",
-                         "zd", "norm_w"),
+                         "zd", "post_attn", "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "window", "cos", "sin"),
+                        (INT, "rot", "act"), (FLOAT, "softcap"), (PTR, "norm_w"),
                         (FLOAT, "eps"), (PTR, "kc", "vc"), (LONG, "cap"),
-                        (PTR, "slot", "wpos", "prefix", "count", "allowed"), (INT, "qmax"), (PTR, "cos", "sin"),
+                        (PTR, "slot", "wpos", "prefix", "first", "count", "pos", "allowed"), (INT, "qmax"),
                         (FLOAT, "scale"), (INT, "threads"), (PTR, "head_q", "head_s", "head_z"),
                         (INT, "vocab", "head_from"), (PTR, "logits"))
 
@@ -199,8 +203,8 @@ class W8A8Args(ctypes.Structure):
 # the C file beside the struct; change both together). The C side reports its own through mtpflow_<name>_abi()
 # and mtpflow_<name>_args_size().
 ENTRY_POINTS = {"linear": ("mtpflow_linear", LinearArgs, 1),
-                "rows": ("mtpflow_llama_rows", RowsArgs, 1),
-                "w8a8": ("mtpflow_w8a8_rows", W8A8Args, 1)}
+                "rows": ("mtpflow_llama_rows", RowsArgs, 2),
+                "w8a8": ("mtpflow_w8a8_rows", W8A8Args, 2)}
 
 
 def call(lib: ctypes.CDLL, entry: str, **members) -> int:

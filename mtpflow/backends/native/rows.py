@@ -3,11 +3,15 @@ another (no padding), each with its pool slot, its write position, the prefix it
 backends (float32: ``cpu``, int8: ``int8``) describe their verifies with ``verify_rows``."""
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from mtpflow.backends.base import tree_allowed
+
+# prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
+PREFILL_ROWS = 256
 
 
 @dataclass
@@ -56,3 +60,74 @@ def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
         rows.starts.append(start)
         start += n
     return rows
+
+
+def prefill_rows(target, tokens: torch.Tensor, start: int, chunk: int = PREFILL_ROWS):
+    """A prompt's rows for a prefill over ``target``'s slot, in chunks of at most ``chunk`` rows (each after the
+    entries the previous ones wrote: the caller advances ``target.kv.length`` by each chunk's rows before the
+    next): ``(VerifyRows, head_from)`` per chunk, ``head_from`` the chunk's last row in the prompt's last chunk
+    (the prefill's logits), None in the others. Each row sees the slot's entries and its chunk's rows up to
+    itself (causal)."""
+    n = int(tokens.numel())
+    for lo in range(0, n, chunk):
+        hi = min(n, lo + chunk)
+        rows, length = hi - lo, target.kv.length
+        allowed = torch.ones(rows, rows, dtype=torch.bool).tril_().to(torch.uint8)
+        positions = torch.arange(start + lo, start + hi) - target.position_shift
+        yield (VerifyRows(tokens[lo:hi], positions, allowed, [target.kv.slot] * rows, list(range(length, length + rows)),
+                          [length] * rows, [0] * rows, [rows] * rows, [0], [rows]),
+               rows - 1 if hi == n else None)
+
+
+def prefill_through(run, targets, prompts, starts=None) -> list:
+    """A backend's ``prefill`` through its decoder stack: each target's prompt in chunks (``prefill_rows``), each
+    chunk one ``run(pool, rows, taps, head_from)`` call that returns (logits or None, taps or None). Returns
+    ``(logits [1, vocab] of the last row, the taps [len, ...] or None)`` per target."""
+    starts = starts or [0] * len(targets)
+    out = []
+    for target, tokens, start in zip(targets, prompts, starts):
+        parts, logits = [], None
+        for rows, last in prefill_rows(target, tokens, start):
+            logits, hidden = run(target.pool, rows, target.taps, last)
+            target.kv.length += len(rows.slots)
+            if hidden is not None:
+                parts.append(hidden)
+        target.forwards += 1
+        out.append((logits, torch.cat(parts) if parts else None))
+    return out
+
+
+def call_members(rows: VerifyRows, rope: dict, rope_keys: list, taps: tuple[int, ...], h: torch.Tensor):
+    """The struct members of one call that both decoder stacks take for ``rows`` (``mtpflow_llama_rows``,
+    ``mtpflow_w8a8_rows``): each row's ints (slot, wpos, prefix, first, count, pos), its tree mask, each layer's
+    rotary table at the rows' positions (``rope``: {key: ``description.RopeTable``}, ``rope_keys``: each layer's
+    key or None) and the outputs of the layers ``taps`` names (shaped as ``h`` [rows, H]). Returns (members,
+    {layer: its output tensor}, what the pointers point into: keep it alive until the call returns)."""
+    ints = [torch.tensor(v, dtype=torch.int32) for v in (rows.slots, rows.wpos, rows.prefix, rows.first, rows.count)]
+    ints.append(rows.positions.to(torch.int32))
+    members = {name: t.data_ptr() for name, t in zip(("slot", "wpos", "prefix", "first", "count", "pos"), ints)}
+    members.update(allowed=rows.allowed.data_ptr(), qmax=rows.allowed.shape[1], M=len(rows.slots))
+    tables = {key: table.rows(rows.positions) for key, table in rope.items()}
+    for index, name in enumerate(("cos", "sin")):
+        members[name] = None if not tables else (ctypes.c_void_p * len(rope_keys))(
+            *[None if key is None else tables[key][index].data_ptr() for key in rope_keys])
+    tapped = {t: torch.empty_like(h) for t in taps if t >= 0}
+    members["taps"] = None if not tapped else (ctypes.c_void_p * len(rope_keys))(
+        *[tapped[i].data_ptr() if i in tapped else None for i in range(len(rope_keys))])
+    return members, tapped, [ints, tables]
+
+
+def tap_outputs(tapped: dict, normed: torch.Tensor, taps: tuple[int, ...]) -> torch.Tensor | None:
+    """The taps a call returns [rows, H * len(taps)] (layer outputs, -1 the final-normed state), or None."""
+    if not taps:
+        return None
+    tapped[-1] = normed
+    return torch.cat([tapped[t] for t in taps], dim=-1) if len(taps) > 1 else tapped[taps[0]]
+
+
+def optional(tensors) -> ctypes.Array | None:
+    """A struct member for an optional per-layer part: None where no layer has it, else L pointers (NULL where a
+    layer lacks it)."""
+    if all(t is None for t in tensors):
+        return None
+    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])

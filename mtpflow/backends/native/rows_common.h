@@ -14,6 +14,7 @@ static inline void rmsnorm(const float *x, const float *w, float eps, float *out
     for (int i = 0; i < H; i++) out[i] = w[i] * (x[i] * r);
 }
 
+/* the first d values of v rotated (the rest of a head, where the rotary part is partial, pass through) */
 static inline void rotary(float *v, const float *cos, const float *sin, int d) {
     const int half = d / 2;
     for (int i = 0; i < half; i++) {
@@ -52,6 +53,84 @@ static inline vec vexp(vec x) {
     y = y * (x * x) + x + 1.0f;
     const ivec n = __builtin_convertvector(t, ivec);
     return y * (vec)((n + 127) << 23);
+}
+
+/* The activations and the soft-cap, each as exact float operations in this order (int8_reference.py computes the
+ * same in torch: the int8 model's numerics): SiLU g / (1 + e^-g); GELU-tanh x / (1 + e^(-2u)) with
+ * u = 0.7978845608 (x + 0.044715 x^3), which is HF's 0.5 x (1 + tanh(u)) without its cancellation;
+ * tanh y = 1 - 2 / (1 + e^(2y)). */
+#define ACT_SILU 0
+#define ACT_GELU_TANH 1
+
+static inline vec vsilu(vec g) { return g / (1.0f + vexp(-g)); }
+
+static inline vec vgelu_tanh(vec x) {
+    vec u = x * x;
+    u = u * x;
+    u = u * 0.044715f;
+    u = x + u;
+    u = u * 0.7978845608f;
+    return x / (1.0f + vexp(u * -2.0f));
+}
+
+static inline vec vtanh(vec y) { return 1.0f - 2.0f / (1.0f + vexp(y + y)); }
+
+/* c tanh(s / c) of one score (the lanes of a vector compute the same) */
+static inline float softcap1(float s, float c) { return vtanh(splat(s / c))[0] * c; }
+
+/* o[i] = act(g[i]) * u[i] for i < n (the last vector's lanes past n padded with zeros: every value goes through
+ * the same vector arithmetic) */
+static inline void gated(const float *g, const float *u, float *o, int n, int act) {
+    for (int i = 0; i < n; i += VW) {
+        const int c = n - i < VW ? n - i : VW;
+        vec gv;
+        if (c == VW) gv = loadv(g + i);
+        else for (int e = 0; e < VW; e++) gv[e] = e < c ? g[i + e] : 0.0f;
+        const vec a = act == ACT_GELU_TANH ? vgelu_tanh(gv) : vsilu(gv);
+        if (c == VW) storev(o + i, a * loadv(u + i));
+        else for (int e = 0; e < c; e++) o[i + e] = a[e] * u[i + e];
+    }
+}
+
+/* s[t] = c tanh(s[t] / c) for t < n where s[t] is finite (a masked score stays -inf) */
+static inline void softcap_scores(float *s, int n, float c) {
+    int t = 0;
+    for (; t + VW <= n; t += VW) {
+        const vec v = loadv(s + t);
+        const vec capped = vtanh(v / c) * c;
+        for (int e = 0; e < VW; e++) s[t + e] = v[e] == -INFINITY ? v[e] : capped[e];
+    }
+    for (; t < n; t++)
+        if (s[t] != -INFINITY) s[t] = softcap1(s[t], c);
+}
+
+/* The keys a row attends to in a layer with a sliding window w (HF's sliding mask: a query at position p sees the
+ * keys at positions p - w + 1 .. p): the first visible entry of its prefix (entries sit at their positions, as the
+ * KV pool keeps them), and its own new entries that its tree allows and the window reaches (own[j]: entry j at
+ * position pos[first + j]). w = 0: the whole prefix and allowed as it is. */
+static inline int window_start(int w, int pos, int prefix) {
+    if (w <= 0) return 0;
+    const int lo = pos - w + 1;
+    return lo < 0 ? 0 : (lo > prefix ? prefix : lo);
+}
+
+static inline const unsigned char *window_own(int w, const unsigned char *allowed, const int *pos, int r, int first,
+                                              int count, unsigned char *out) {
+    if (w <= 0) return allowed;
+    for (int j = 0; j < count; j++) out[j] = allowed[j] && pos[r] - pos[first + j] < w;
+    return out;
+}
+
+/* the rows' per-(row, layer) extras between the products, shared by both stacks: q and k heads' norms, then their
+ * rotary part (NULL table: none), in that order (HF's) */
+static inline void heads_in(float *q, float *k, int nh, int nkv, int d, const float *qn, const float *kn, float eps,
+                            const float *c, const float *sn, int rot) {
+    if (qn) for (int j = 0; j < nh; j++) rmsnorm(q + (size_t)j * d, qn, eps, q + (size_t)j * d, d);
+    if (kn) for (int j = 0; j < nkv; j++) rmsnorm(k + (size_t)j * d, kn, eps, k + (size_t)j * d, d);
+    if (c) {
+        for (int j = 0; j < nh; j++) rotary(q + (size_t)j * d, c, sn, rot);
+        for (int j = 0; j < nkv; j++) rotary(k + (size_t)j * d, c, sn, rot);
+    }
 }
 
 #endif

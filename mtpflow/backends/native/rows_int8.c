@@ -27,16 +27,16 @@ static inline double dot_exact(const float *a, const float *b, int d) {
     return s;
 }
 
-/* o[8 lanes] = float(sum_t s[t] v[t]) * inv for head size 8 * lanes (a constant after inlining: every output lane
- * in registers, one pass over the values) */
-static inline __attribute__((always_inline)) void weigh_values(const float *s, const float *values, int n,
+/* o[8 lanes] = float(sum_t s[t] v[t]) * inv for 8 * lanes values of rows of ``stride`` floats (lanes a constant
+ * after inlining: every output lane in registers, one pass over the values) */
+static inline __attribute__((always_inline)) void weigh_values(const float *s, const float *values, int n, int stride,
                                                                const int lanes, float inv, float *o) {
     dvec8 acc[16];
     for (int g = 0; g < lanes; g++) acc[g] = (dvec8){0};
     for (int t = 0; t < n; t++) {
         const double w = s[t];
         if (w == 0.0) continue;
-        const float *vt = values + (size_t)t * lanes * 8;
+        const float *vt = values + (size_t)t * stride;
         for (int g = 0; g < lanes; g++) acc[g] += w * __builtin_convertvector(*(const fvec8 *)(vt + 8 * g), dvec8);
     }
     for (int g = 0; g < lanes; g++)
@@ -44,7 +44,7 @@ static inline __attribute__((always_inline)) void weigh_values(const float *s, c
 }
 
 static void attend_exact(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0,
-                         int n, int d, float scale, float *s, float *o) {
+                         int n, int d, float scale, float softcap, float *s, float *o) {
     float m = -INFINITY;
     int t = 0;
     if (d % 8 == 0) {  /* four keys at a time: four independent sums */
@@ -69,6 +69,7 @@ static void attend_exact(const float *qh, const float *keys, const float *values
         if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
         s[t] = (float)dot_exact(qh, keys + (size_t)t * d, d) * scale;
     }
+    if (softcap != 0.0f) softcap_scores(s, n, softcap);
     for (t = 0; t < n; t++)
         if (s[t] > m) m = s[t];
     /* exponentials VW at a time (a padded copy for the last few): the same vexp for every entry */
@@ -84,8 +85,11 @@ static void attend_exact(const float *qh, const float *keys, const float *values
         }
     }
     const float inv = 1.0f / (float)total;
-    if (d == 64) { weigh_values(s, values, n, 8, inv, o); return; }
-    if (d == 128) { weigh_values(s, values, n, 16, inv, o); return; }
+    if (d % 128 == 0) {  /* 128 values at a time (each value's sum in the same order whatever the chunks) */
+        for (int c = 0; c < d; c += 128) weigh_values(s, values + c, n, d, 16, inv, o + c);
+        return;
+    }
+    if (d == 64) { weigh_values(s, values, n, d, 8, inv, o); return; }
     for (int i = 0; i < d; i++) {
         double acc = 0.0;
         for (t = 0; t < n; t++) acc += (double)s[t] * values[(size_t)t * d + i];
@@ -94,10 +98,11 @@ static void attend_exact(const float *qh, const float *keys, const float *values
 }
 
 /* The arguments of mtpflow_w8a8_rows, versioned as mtpflow_rows_args is (MTPFLOW_W8A8_ABI; mirrored once in
- * kernel.W8A8Args). The rows are described as for mtpflow_llama_rows; the weights are the int8 model's:
- * per layer, fused q/k/v [(nh + 2 nkv) d][kp_h], o [H][kp_q], fused gate/up [2 I][kp_h], down [H][kp_i], each with
- * its scales and row sums. taps: NULL, or L pointers, non-NULL where layer l's output [M][H] is wanted. */
-#define MTPFLOW_W8A8_ABI 1
+ * kernel.W8A8Args). The rows and the optional parts of a layer are described as for mtpflow_llama_rows; the weights
+ * are the int8 model's: per layer, fused q/k/v [(nh + 2 nkv) d][kp_h], o [H][kp_q], fused gate/up [2 I][kp_h], down
+ * [H][kp_i], each with its scales and row sums. taps: NULL, or L pointers, non-NULL where layer l's output [M][H]
+ * is wanted. */
+#define MTPFLOW_W8A8_ABI 2
 
 struct mtpflow_w8a8_args {
     int version;  /* MTPFLOW_W8A8_ABI */
@@ -110,14 +115,19 @@ struct mtpflow_w8a8_args {
     const signed char *const *wqkv, *const *wo, *const *wgu, *const *wd;
     const float *const *sqkv, *const *so, *const *sgu, *const *sd;
     const int32_t *const *zqkv, *const *zo, *const *zgu, *const *zd;
+    const float *const *post_attn, *const *post_mlp, *const *qn, *const *kn;  /* optional norms */
+    const float *const *bqkv, *const *bo, *const *bgu, *const *bd;            /* optional biases */
+    const int *window;
+    const float *const *cos, *const *sin;
+    int rot, act;
+    float softcap;
     const float *norm_w;
     float eps;
     float *const *kc, *const *vc;
     long cap;
-    const int *slot, *wpos, *prefix, *count;
+    const int *slot, *wpos, *prefix, *first, *count, *pos;
     const unsigned char *allowed;  /* [M][qmax] */
     int qmax;
-    const float *cos, *sin;
     float scale;
     int threads;
     /* the int8 LM head [vocab][kp_h] (packed, scales, row sums) over rows head_from .. M - 1 into logits
@@ -158,9 +168,19 @@ static void spin_wait(struct spin_barrier *b, int nt) {
     }
 }
 
-/* The int8 model's decoder stack over M rows: as mtpflow_llama_rows (the same rows, pool and taps), with the int8
- * products and the exact attention above, in one OpenMP region: each step split between the threads (rows, heads
- * or weight blocks), a spin_wait between steps. 0, -1 out of memory, MTPFLOW_ROWS_BAD_ABI for another struct. */
+#define PART(arr, l) ((arr) ? (arr)[l] : NULL)
+
+/* y[r][n] += b[n] for rows [r0, r1) (a product's bias; b NULL: none) */
+static inline void add_bias(float *y, const float *b, int r0, int r1, int N) {
+    if (!b) return;
+    for (int r = r0; r < r1; r++)
+        for (int n = 0; n < N; n++) y[(size_t)r * N + n] = y[(size_t)r * N + n] + b[n];
+}
+
+/* The int8 model's decoder stack over M rows: as mtpflow_llama_rows (the same rows, pool, layer parts and taps), with
+ * the int8 products and the exact attention above, in one OpenMP region: each step split between the threads (rows,
+ * heads or weight blocks), a spin_wait between steps. 0, -1 out of memory, MTPFLOW_ROWS_BAD_ABI for another
+ * struct. */
 int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     if (a->version != MTPFLOW_W8A8_ABI || a->size != (int)sizeof(struct mtpflow_w8a8_args)) return MTPFLOW_ROWS_BAD_ABI;
     float *const h = a->h;
@@ -172,12 +192,12 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     for (int r = 0; r < M; r++)
         if (a->prefix[r] + a->count[r] > longest) longest = a->prefix[r] + a->count[r];
     const size_t floats = (size_t)M * (2 * H + nqkv + nq + 3 * (size_t)I) + (size_t)M * nh * longest + M;
-    char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max);
+    char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max + (size_t)M * a->qmax);
     if (!buf) return -1;
     float *x = (float *)buf, *tmp = x + (size_t)M * H, *qkv = tmp + (size_t)M * H,
           *att = qkv + (size_t)M * nqkv, *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I,
           *scores = act + (size_t)M * I, *sx = scores + (size_t)M * nh * longest;
-    unsigned char *xq = (unsigned char *)(sx + M);
+    unsigned char *xq = (unsigned char *)(sx + M), *own = xq + (size_t)M * kp_max;  /* own: a window's own mask */
     struct spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(a->threads)
     {
@@ -190,25 +210,32 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
         sx[r] = mtpflow_quantize_row(x + (size_t)r * H, H, a->kp_h, xq + (size_t)r * a->kp_h);
     }
     for (int l = 0; l < L; l++) {
+        const float *c = PART(a->cos, l), *sn = PART(a->sin, l), *post_attn = PART(a->post_attn, l),
+                    *post_mlp = PART(a->post_mlp, l);
+        const int w = a->window ? a->window[l] : 0;
         spin_wait(&barrier, nt);
         mtpflow_q8_part(t, nt, xq, sx, M, a->wqkv[l], a->sqkv[l], a->zqkv[l], nqkv, a->kp_h, qkv);
         spin_wait(&barrier, nt);
+        add_bias(qkv, PART(a->bqkv, l), r0, r1, nqkv);
         for (int r = r0; r < r1; r++) {
             float *q = qkv + (size_t)r * nqkv, *k = q + nq, *v = k + nk;
-            const float *c = a->cos + (size_t)r * d, *sn = a->sin + (size_t)r * d;
-            for (int j = 0; j < nh; j++) rotary(q + (size_t)j * d, c, sn, d);
+            heads_in(q, k, nh, nkv, d, PART(a->qn, l), PART(a->kn, l), a->eps, c ? c + (size_t)r * a->rot : NULL,
+                     sn ? sn + (size_t)r * a->rot : NULL, a->rot);
             for (int j = 0; j < nkv; j++) {
-                rotary(k + (size_t)j * d, c, sn, d);
                 const size_t at = a->slot[r] * slot_stride + ((size_t)j * a->cap + a->wpos[r]) * d;
                 for (int i = 0; i < d; i++) { a->kc[l][at + i] = k[j * d + i]; a->vc[l][at + i] = v[j * d + i]; }
             }
+            window_own(w, a->allowed + (size_t)r * a->qmax, a->pos, r, a->first[r], a->count[r],
+                       own + (size_t)r * a->qmax);
         }
         spin_wait(&barrier, nt);
         for (int p = p0; p < p1; p++) {
             const int r = p / nh, j = p % nh;
-            const size_t base = a->slot[r] * slot_stride + (size_t)(j / group) * a->cap * d;
-            attend_exact(qkv + (size_t)r * nqkv + (size_t)j * d, a->kc[l] + base, a->vc[l] + base,
-                         a->allowed + (size_t)r * a->qmax, a->prefix[r], a->prefix[r] + a->count[r], d, a->scale,
+            const int lo = window_start(w, w ? a->pos[r] : 0, a->prefix[r]);
+            const size_t base = a->slot[r] * slot_stride + (size_t)(j / group) * a->cap * d + (size_t)lo * d;
+            const unsigned char *mask = (w ? own : a->allowed) + (size_t)r * a->qmax;
+            attend_exact(qkv + (size_t)r * nqkv + (size_t)j * d, a->kc[l] + base, a->vc[l] + base, mask,
+                         a->prefix[r] - lo, a->prefix[r] + a->count[r] - lo, d, a->scale, a->softcap,
                          scores + (size_t)p * longest, att + (size_t)r * nq + (size_t)j * d);
         }
         spin_wait(&barrier, nt);
@@ -217,33 +244,31 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
         spin_wait(&barrier, nt);
         mtpflow_q8_part(t, nt, xq, sx, M, a->wo[l], a->so[l], a->zo[l], H, a->kp_q, tmp);
         spin_wait(&barrier, nt);
+        add_bias(tmp, PART(a->bo, l), r0, r1, H);
         for (int r = r0; r < r1; r++) {
-            float *hr = h + (size_t)r * H;
-            for (int i = 0; i < H; i++) hr[i] = hr[i] + tmp[(size_t)r * H + i];
+            float *hr = h + (size_t)r * H, *out = tmp + (size_t)r * H;
+            if (post_attn) rmsnorm(out, post_attn, a->eps, out, H);
+            for (int i = 0; i < H; i++) hr[i] = hr[i] + out[i];
             rmsnorm(hr, a->ln2[l], a->eps, x + (size_t)r * H, H);
             sx[r] = mtpflow_quantize_row(x + (size_t)r * H, H, a->kp_h, xq + (size_t)r * a->kp_h);
         }
         spin_wait(&barrier, nt);
         mtpflow_q8_part(t, nt, xq, sx, M, a->wgu[l], a->sgu[l], a->zgu[l], 2 * I, a->kp_h, gu);
         spin_wait(&barrier, nt);
-        for (int r = r0; r < r1; r++) {  /* silu(gate) * up = (gate / (1 + e^-gate)) * up, VW at a time */
-            const float *g = gu + (size_t)r * 2 * I, *u = g + I;
-            float *o = act + (size_t)r * I;
-            for (int i = 0; i < I; i += VW) {
-                vec gv;
-                const int c = I - i < VW ? I - i : VW;
-                for (int e = 0; e < VW; e++) gv[e] = e < c ? g[i + e] : 0.0f;
-                const vec sv = gv / (1.0f + vexp(-gv));
-                for (int e = 0; e < c; e++) o[i + e] = sv[e] * u[i + e];
-            }
-            sx[r] = mtpflow_quantize_row(o, I, a->kp_i, xq + (size_t)r * a->kp_i);
+        add_bias(gu, PART(a->bgu, l), r0, r1, 2 * I);
+        for (int r = r0; r < r1; r++) {  /* act(gate) * up, VW at a time (rows_common.h) */
+            const float *g = gu + (size_t)r * 2 * I;
+            gated(g, g + I, act + (size_t)r * I, I, a->act);
+            sx[r] = mtpflow_quantize_row(act + (size_t)r * I, I, a->kp_i, xq + (size_t)r * a->kp_i);
         }
         spin_wait(&barrier, nt);
         mtpflow_q8_part(t, nt, xq, sx, M, a->wd[l], a->sd[l], a->zd[l], H, a->kp_i, tmp);
         spin_wait(&barrier, nt);
+        add_bias(tmp, PART(a->bd, l), r0, r1, H);
         for (int r = r0; r < r1; r++) {
-            float *hr = h + (size_t)r * H;
-            for (int i = 0; i < H; i++) hr[i] = hr[i] + tmp[(size_t)r * H + i];
+            float *hr = h + (size_t)r * H, *out = tmp + (size_t)r * H;
+            if (post_mlp) rmsnorm(out, post_mlp, a->eps, out, H);
+            for (int i = 0; i < H; i++) hr[i] = hr[i] + out[i];
             if (a->taps && a->taps[l])
                 for (int i = 0; i < H; i++) a->taps[l][(size_t)r * H + i] = hr[i];
             if (l + 1 < L) {
