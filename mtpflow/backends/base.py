@@ -12,6 +12,8 @@ per engine (``mtpflow.backends.create``) and owns the KV pool; every target forw
   (or its first ``layers`` layers), or None where the backend has none;
 - ``describe()``: what computes the forwards, the key of every cost measurement;
 - ``linear_rows(x, weight)``: a draft head's product over a few rows (the native backends read the weight once);
+- ``head_product(weight, bias, int8)``: a draft head's linear as a callable over the backend's own copy of the weight
+  (the native backends: their row and panel kernels, or the int8 model's W8A8 product);
 - ``fall_back(reason, ...)``: a forward the backend's fast path declines runs a slower one under a name, counted
   in ``stats()`` and marked on each ``Verification`` (the run's stats count them: ``backend_fallbacks``).
 
@@ -25,6 +27,7 @@ import contextlib
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
 from mtpflow.kv_cache import KVPool
 
@@ -105,6 +108,15 @@ class Backend:
         if self.fallbacks:
             out["backend_fallbacks"] = dict(self.fallbacks)
         return out
+
+    def head_product(self, weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False):
+        """A draft head's linear ``x [..., in] -> x @ weight.T + bias [..., out]`` as a callable over this backend's
+        own copy of ``weight`` [out, in] (``bias`` [out] or None), for the few rows of a drafting step. ``int8``: an
+        int8 copy where the backend has an int8 product (the native backends); a draft's precision changes what it
+        proposes, never what the target emits. This default: float32, torch."""
+        w = weight.detach().to(self.device, torch.float32).contiguous()
+        b = None if bias is None else bias.detach().to(self.device, torch.float32).contiguous()
+        return lambda x: F.linear(x.float(), w, b)
 
 
 def tree_allowed(parents: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,8 @@ the next hidden state; the EAGLE-3 drafter is the same layer over a feature fuse
 high layer of the target, trained on token predictions only (no feature regression) while it drafts from
 its own earlier outputs (``unroll``). All score tokens with the target's own LM head, restricted to a *draft
 vocabulary* (the most frequent tokens of the training text, as in EAGLE-3) so drafting and training avoid
-the full-vocabulary matmul. Heads are saved as safetensors plus a JSON config keyed to the base model.
+the full-vocabulary matmul. At decoding time ``head_drafting`` runs them as products of the engine's backend.
+Heads are saved as safetensors plus a JSON config keyed to the base model.
 """
 from __future__ import annotations
 
@@ -192,24 +193,6 @@ def head_rows(model, ids: torch.Tensor) -> torch.Tensor:
     if hasattr(head, "select"):
         return head.select(ids.long())
     return head.weight.detach()[ids.long()].float()
-
-
-class DraftVocabHead:
-    """The target's LM head restricted to the draft vocabulary: features -> logits over draft tokens."""
-
-    def __init__(self, rows: torch.Tensor, draft_ids: torch.Tensor, backend=None):
-        """``rows``: the LM head's weight rows of ``draft_ids`` [draft_vocab, hidden] (``head_rows``); ``backend``:
-        the engine's backend (``RunContext.backend``), whose ``linear_rows`` computes the product (None: torch)."""
-        self.draft_ids = draft_ids.long()  # [draft_vocab] target token id of each draft token
-        self.weight = rows.detach().float()  # [draft_vocab, hidden]
-        self.backend = backend
-
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        # a few rows against 4096 x hidden: bound by reading the weight, which a native backend's row kernel reads
-        # once for all rows
-        if self.backend is None:
-            return features.float() @ self.weight.T
-        return self.backend.linear_rows(features.float(), self.weight)
 
 
 def draft_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

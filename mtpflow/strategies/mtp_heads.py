@@ -11,15 +11,19 @@ from pathlib import Path
 
 import torch
 
+from mtpflow.backends.base import Backend
 from mtpflow.errors import ConfigError, UserError, check_k
 from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import graft_tree
+from mtpflow.strategies.head_drafting import DraftVocabulary, EagleDraft, MedusaDraft, draft_runner
 from mtpflow.strategies.head_modules import (
-    CONFIG_NAME, KINDS, DraftVocabHead, EagleDrafter, MedusaHeads, check_matches, head_rows, load_heads,
-    normalized_entropy,
+    CONFIG_NAME, KINDS, check_matches, head_rows, load_heads, normalized_entropy,
 )
 from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
 from mtpflow.types import DecodeState, Draft, StepRecord
+
+PRECISIONS = ("auto", "float32", "int8")
+
 
 def shipped_heads(model_name: str | None, kind: str) -> Path | None:
     """The heads shipped in ``mtpflow/data/heads/<model>/<kind>`` for a model config name, if any."""
@@ -45,6 +49,32 @@ def resolve_heads(explicit: str | None, model_cfg: dict, kind: str) -> Path:
         raise UserError(f"no trained {kind} heads for model {model_cfg.get('name')!r}: train them with "
                         f"python -m mtpflow.train_heads model.name=... out=DIR, then pass model.heads=DIR")
     return found
+
+
+class PreparedHeads:
+    """A heads folder made ready for one backend: its products (weights copied, packed or quantized once) and
+    what a sequence's drafter needs; shared read-only by the requests of an engine."""
+
+    def __init__(self, folder: Path, kind: str, model, taps, backend, int8: bool):
+        module, draft_ids, config = load_heads(folder)
+        if config.get("kind") != kind:
+            raise UserError(f"{folder} holds {config.get('kind')} heads, not {kind}")
+        check_matches(config, model, str(folder), taps)
+        self.config = config
+        self.width = int(model.config.hidden_size) * (len(config["taps"]) if kind == "eagle3" else 1)
+
+        def product(weight, bias=None):
+            return backend.head_product(weight, bias, int8)
+
+        with torch.no_grad():
+            embeddings = model.get_input_embeddings()(draft_ids.to(backend.device)).float()
+        self.vocab = DraftVocabulary(head_rows(model, draft_ids), draft_ids, product, embeddings)
+        # Medusa's drafter is stateless; an EAGLE one is copied per sequence (``drafter``)
+        self.shared = draft_runner(module, self.vocab, product, backend.device)
+
+    def drafter(self):
+        """This sequence's drafter: Medusa's is stateless and shared, an EAGLE one holds its own cache."""
+        return self.shared if isinstance(self.shared, MedusaDraft) else self.shared.fresh()
 
 
 def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_nodes: int):
@@ -137,13 +167,20 @@ class MTPHeadsProposer:
     ``recycling`` (null = off, or the options of ``TokenRecyclingProposer``) grafts a token-recycling tree (the
     target's own top-k candidates from earlier verify forwards) and ``suffix`` (null = off, or the options of
     ``SuffixDrafter``) a suffix-cache tree (this request's text and earlier outputs of the engine); both mark
-    their nodes calibrated with learned acceptance estimates as PFS, like the lookup chain."""
+    their nodes calibrated with learned acceptance estimates as PFS, like the lookup chain.
+
+    ``precision``: the draft's own products (``head_drafting``) in float32 or int8 (the W8A8 product where the
+    backend has one); ``auto``: int8 over the int8 model (``model.quantize=int8``), float32 otherwise. Lossless
+    either way: the target verifies every draft."""
 
     def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
                  branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True,
-                 recycling=None, suffix=None):
+                 recycling=None, suffix=None, precision: str = "auto"):
         if kind not in KINDS:
             raise ConfigError(f"strategy.propose.kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if precision not in PRECISIONS:
+            raise ConfigError(f"strategy.propose.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        self.precision = precision
         self.kind, self.heads_path = kind, heads
         self.top_k = check_k("strategy.propose.top_k", top_k)
         self.max_nodes = check_k("strategy.propose.max_nodes", max_nodes)
@@ -157,7 +194,7 @@ class MTPHeadsProposer:
             raise ConfigError(f"strategy.propose.adaptive_depth must be true or false, got {adaptive_depth!r}")
         self.adaptive_depth = adaptive_depth
         self.depth_limit: int | None = None  # set from the previous step's kept tree when adaptive_depth
-        self.module = None
+        self.drafter = None  # this sequence's MedusaDraft / EagleDraft (on_run_start)
         self.lookup = None
         self.lookup_acceptance = {}  # per matched n-gram length, as in pld
         if lookup is not None:
@@ -187,45 +224,39 @@ class MTPHeadsProposer:
 
     @hookimpl
     def on_run_start(self, context):
-        folder = resolve_heads(self.heads_path, (context.config or {}).get("model", {}) or {}, self.kind)
-        module, draft_ids, config = load_heads(folder)
-        if config.get("kind") != self.kind:
-            raise UserError(f"{folder} holds {config.get('kind')} heads, not {self.kind}")
+        config = context.config or {}
+        folder = resolve_heads(self.heads_path, config.get("model", {}) or {}, self.kind)
         model = context.model
         taps = None
         if self.kind == "eagle3":  # the layers the strategy's forwards return must be the ones it was trained on
             from mtpflow.request import hidden_taps_of
 
-            spec = ((context.config or {}).get("strategy", {}) or {}).get("needs_hidden_states")
-            taps = hidden_taps_of(model, spec)
-        check_matches(config, model, str(folder), taps)
-        self.width = int(model.config.hidden_size) * (len(config["taps"]) if self.kind == "eagle3" else 1)
-        device = next(model.parameters()).device
-        self.module = module.to(device)
-        self.lm = DraftVocabHead(head_rows(model, draft_ids).to(device), draft_ids.to(device),
-                                 getattr(context, "backend", None))
+            taps = hidden_taps_of(model, (config.get("strategy", {}) or {}).get("needs_hidden_states"))
+        int8 = self.precision == "int8" or (self.precision == "auto"
+                                            and (config.get("model", {}) or {}).get("quantize") == "int8")
+        backend = getattr(context, "backend", None) or Backend(model)
+        # the products are the same for every request of an engine: made once (weights read, packed, quantized) and
+        # shared read-only; the drafting state (an EAGLE cache) is this sequence's own
+        key = f"heads:{folder}:{self.kind}:{'int8' if int8 else 'float32'}:{taps}"
+        shared = getattr(context, "shared", None)
+        prepared = (PreparedHeads(folder, self.kind, model, taps, backend, int8) if shared is None
+                    else shared.get(key, lambda: PreparedHeads(folder, self.kind, model, taps, backend, int8)))
+        self.width, self.vocab, self.drafter = prepared.width, prepared.vocab, prepared.drafter()
         self.embed = model.get_input_embeddings()
-        self.device = device
-        self._reset_cache()
-        facts = {"heads": str(folder), "heads_kind": self.kind}
+        facts = {"heads": str(folder), "heads_kind": self.kind, "heads_precision": "int8" if int8 else "float32"}
         if self.recycling is not None:
             facts.update(self.recycling.on_run_start(context) or {})
         if self.suffix is not None:
             facts.update(self.suffix.start(context))
         return facts
 
-    def _reset_cache(self):
-        self.keys = self.values = None  # EAGLE: [n, heads, head_dim] of committed positions (last window)
-        self.last_x = self.last_q = None  # EAGLE: input and query of the newest committed position
-        self.features_seen = 0  # committed positions whose hidden state the EAGLE cache has consumed
-
-    def _distribution(self, features: torch.Tensor) -> torch.Tensor:
-        return (self.lm.logits(features) / self.temperature).softmax(-1)
+    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        return (logits / self.temperature).softmax(-1)
 
     @hookimpl
     @torch.inference_mode()
     def propose(self, state: DecodeState, k: int) -> Draft:
-        if self.module is None:
+        if self.drafter is None:
             raise UserError("the mtp_heads proposer was not started (on_run_start did not run)")
         if state.hidden is None:
             raise UserError("the mtp_heads proposer needs hidden states: set needs_hidden_states: "
@@ -235,7 +266,8 @@ class MTPHeadsProposer:
                             f"{state.hidden.shape[-1]}: set the strategy's needs_hidden_states to "
                             f"{'eagle3' if self.kind == 'eagle3' else 'true'}")
         depth = k if self.depth_limit is None else min(k, max(1, self.depth_limit))
-        draft = self._propose_medusa(state, depth) if isinstance(self.module, MedusaHeads) else self._propose_eagle(state, depth)
+        draft = (self._propose_medusa(state, depth) if isinstance(self.drafter, MedusaDraft)
+                 else self._propose_eagle(state, depth))
         self._lookup_n = None
         if self.lookup is not None:
             lo, hi, longest = self.lookup
@@ -305,7 +337,7 @@ class MTPHeadsProposer:
 
     def _draft(self, tokens, parents, node_p, path_p, entropy) -> Draft:
         return Draft(
-            tokens=self.lm.draft_ids[torch.tensor(tokens, dtype=torch.long, device=self.lm.draft_ids.device)].cpu(),
+            tokens=self.vocab.target_ids(tokens),
             parents=torch.tensor(parents, dtype=torch.long),
             probs=torch.tensor(node_p, dtype=torch.float32),
             source=f"mtp_heads:{self.kind}",
@@ -314,70 +346,50 @@ class MTPHeadsProposer:
         )
 
     def _propose_medusa(self, state: DecodeState, k: int) -> Draft:
-        depth = min(k, self.module.num_heads)
-        hidden = state.hidden[-1].to(self.device)  # produced the root token; head i drafts token root + 1 + i
-        probs = self._distribution(self.module(hidden)[:depth])  # [depth, draft_vocab]
+        drafter: MedusaDraft = self.drafter
+        depth = min(k, drafter.num_heads)
+        # the hidden state that produced the root token; head i drafts token root + 1 + i
+        probs = self._distribution(drafter.logits(state.hidden[-1], depth))  # [depth, draft_vocab]
         top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
         ent = normalized_entropy(probs).tolist()
-        tokens, parents, node_p, path_p, depths = best_first_tree(
-            list(top.values.cpu()), list(top.indices.cpu()), self.max_nodes)
+        tokens, parents, node_p, path_p, depths = best_first_tree(top.values.tolist(), top.indices.tolist(),
+                                                                 self.max_nodes)
         return self._draft(tokens, parents, node_p, path_p, [ent[d - 1] for d in depths])
 
     # --- EAGLE -------------------------------------------------------------------------------------------
 
-    def _sync_cache(self, state: DecodeState) -> None:
-        """Feed the drafter the hidden states committed since the last step (exact: a position's keys and
-        values depend only on its own input)."""
-        drafter: EagleDrafter = self.module
-        committed = int(state.tokens.numel()) - 1  # positions with a hidden state (all but the root)
-        rows = state.hidden.shape[0]
-        if rows >= committed or self.features_seen + rows != committed:
-            self._reset_cache()  # the prefill (or an unexpected gap): start from these rows
-        start = committed - rows
-        keep_from = max(start, committed - drafter.window)
-        feats = drafter.input_features(state.hidden[keep_from - start:].to(self.device))
-        positions = torch.arange(keep_from, committed, device=self.device)
-        next_tokens = state.tokens[keep_from + 1: committed + 1].to(self.device)
-        x, q, key, value = drafter.project(feats, self.embed(next_tokens).float(), positions)
-        self.keys = key if self.keys is None else torch.cat([self.keys, key])[-drafter.window:]
-        self.values = value if self.values is None else torch.cat([self.values, value])[-drafter.window:]
-        self.last_x, self.last_q = x[-1:], q[-1:]
-        self.features_seen = committed
-
     def _propose_eagle(self, state: DecodeState, k: int) -> Draft:
-        drafter: EagleDrafter = self.module
-        self._sync_cache(state)
+        """A tree level by level: each level expands the ``branch`` most probable nodes of the last one in ONE pass
+        of the drafter (``EagleDraft.level``), and adds each one's ``top_k`` children."""
+        drafter: EagleDraft = self.drafter
+        drafter.sync(state.hidden, state.tokens, self.embed)
         # position of the newest committed input (the last with a target hidden state; its next token is the
-        # root): a depth-d node's query sits at root_position + d, as the training crops place it (it was one
-        # further before, a relative offset the drafter never saw in training)
+        # root): a depth-d node's query sits at root_position + d, as the training crops place it
         root_position = int(state.tokens.numel()) - 2
-        n_ctx = self.keys.shape[0]
-        mask = torch.ones(1, 1, n_ctx, dtype=torch.bool, device=self.device)
-        out = drafter.finish(self.last_x[None], self.last_q[None], self.keys[None], self.values[None], mask)[0]
-        probs = self._distribution(drafter.head_features(out))[0]  # [draft_vocab], depth 1
         tokens, parents, node_p, path_p, entropy = [], [], [], [], []
-        node_k, node_v, node_out = [], [], []  # per node: its key/value and predicted next feature
-        ancestors: list[list[int]] = []  # per node: path from depth 1, itself included
+        column: list[int] = []  # per node: its key's column in the drafter's tree (-1: not expanded)
+        outputs: list[torch.Tensor] = []  # per expanded column: the layer's output there
 
-        def add_children(parent: int, dist: torch.Tensor) -> list[int]:
-            top = dist.topk(min(self.top_k, dist.numel()))
-            ent = float(normalized_entropy(dist))
-            base = 1.0 if parent < 0 else path_p[parent]
+        def add_children(parent_nodes: list[int], logits: torch.Tensor) -> list[int]:
+            probs = self._distribution(logits)  # [len(parent_nodes), draft_vocab]
+            top = probs.topk(min(self.top_k, probs.shape[-1]), dim=-1)
+            ents = normalized_entropy(probs).tolist()
             made = []
-            for p, i in zip(top.values.tolist(), top.indices.tolist()):
-                tokens.append(i)
-                parents.append(parent)
-                node_p.append(p)
-                path_p.append(base * p)
-                entropy.append(ent)
-                ancestors.append(([] if parent < 0 else ancestors[parent]) + [len(tokens) - 1])
-                node_k.append(None)
-                node_v.append(None)
-                node_out.append(None)
-                made.append(len(tokens) - 1)
+            for row, (parent, values, indices) in enumerate(zip(parent_nodes, top.values.tolist(),
+                                                                top.indices.tolist())):
+                base = 1.0 if parent < 0 else path_p[parent]
+                for p, i in zip(values, indices):
+                    made.append(len(tokens))
+                    tokens.append(i)
+                    parents.append(parent)
+                    node_p.append(p)
+                    path_p.append(base * p)
+                    entropy.append(ents[row])
+                    column.append(-1)
             return made
 
-        frontier = add_children(-1, probs)
+        root_out, logits = drafter.first()
+        frontier = add_children([-1], logits)
         for depth in range(1, k):
             frontier = sorted(frontier, key=lambda n: -path_p[n])[: self.branch]
             if not frontier:
@@ -386,28 +398,23 @@ class MTPHeadsProposer:
                 cut = sorted(path_p, reverse=True)[self.max_nodes - 1]
                 if path_p[frontier[0]] <= cut:
                     break
-            parent_out = torch.stack([out[0] if parents[n] < 0 else node_out[parents[n]] for n in frontier])
-            ids = self.lm.draft_ids[torch.tensor([tokens[n] for n in frontier], device=self.device)]
-            pos = torch.full((len(frontier),), root_position + depth, device=self.device)
-            x, q, key, value = drafter.project(parent_out, self.embed(ids).float(), pos)
-            context = max(0, min(n_ctx, drafter.window - depth))
-            keys, values = [], []
+            paths = []
+            for n in frontier:
+                path, a = [], parents[n]
+                while a >= 0:
+                    path.append(column[a])
+                    a = parents[a]
+                paths.append(path)
+            parent_out = torch.cat([root_out if parents[n] < 0 else outputs[column[parents[n]]] for n in frontier])
+            embeddings = self.vocab.embeddings[torch.tensor([tokens[n] for n in frontier], device=drafter.device)]
+            outs, logits = drafter.level(parent_out, embeddings, root_position + depth, depth, paths)
             for j, n in enumerate(frontier):
-                path = ancestors[n][:-1]
-                keys.append(torch.cat([self.keys[n_ctx - context:]] + [node_k[a][None] for a in path] + [key[j:j + 1]]))
-                values.append(torch.cat([self.values[n_ctx - context:]] + [node_v[a][None] for a in path] + [value[j:j + 1]]))
-            keys, values = torch.stack(keys), torch.stack(values)
-            mask = torch.ones(len(frontier), 1, keys.shape[1], dtype=torch.bool, device=self.device)
-            outs = drafter.finish(x[:, None], q[:, None], keys, values, mask)[:, 0]
-            dists = self._distribution(drafter.head_features(outs))
-            new_frontier = []
-            for j, n in enumerate(frontier):
-                node_k[n], node_v[n], node_out[n] = key[j], value[j], outs[j]
-                new_frontier += add_children(n, dists[j])
-            frontier = new_frontier
+                column[n] = len(outputs)
+                outputs.append(outs[j:j + 1])
+            frontier = add_children(frontier, logits)
         # keep the max_nodes most probable paths (a child is never more probable than its parent)
         order = sorted(range(len(tokens)), key=lambda n: (-path_p[n], n))[: self.max_nodes]
         keep = sorted(order)
         remap = {old: new for new, old in enumerate(keep)}
-        return self._draft([tokens[n] for n in keep], [remap.get(parents[n], -1) if parents[n] >= 0 else -1 for n in keep],
+        return self._draft([tokens[n] for n in keep], [remap[parents[n]] if parents[n] >= 0 else -1 for n in keep],
                            [node_p[n] for n in keep], [path_p[n] for n in keep], [entropy[n] for n in keep])

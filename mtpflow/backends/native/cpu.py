@@ -38,6 +38,7 @@ from mtpflow.backends.base import Backend
 from mtpflow.backends.hf import HFBackend, own_taps
 from mtpflow.backends.native import kernel, openmp, products
 from mtpflow.backends.native.certified_head import CertifiedHead, applies as certified_applies, softcap
+from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.description import describe, not_described
 from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
                                           verify_rows)
@@ -281,6 +282,10 @@ class NativeCPUBackend(Backend):
             token = int(logits[-1].argmax())
             drafted.append(token)
         return drafted
+
+    def head_product(self, weight, bias=None, int8=False):
+        """A draft head's linear through the native products (``head_products.HeadProduct``)."""
+        return HeadProduct(weight, bias, int8, self.lib)
 
 
 def _fused_bias(parts) -> torch.Tensor | None:

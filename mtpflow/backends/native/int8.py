@@ -24,6 +24,7 @@ import torch
 from mtpflow.backends.base import Backend
 from mtpflow.backends.hf import own_taps
 from mtpflow.backends.native import kernel, openmp, products
+from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
 from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
                                           verify_rows)
@@ -211,3 +212,7 @@ class NativeInt8Backend(Backend):
 
     def stats(self) -> dict:
         return {**super().stats(), "int8_weights_mb": round(self.w.nbytes / 2**20, 1)}
+
+    def head_product(self, weight, bias=None, int8=False):
+        """A draft head's linear through the native products (``head_products.HeadProduct``)."""
+        return HeadProduct(weight, bias, int8, self.lib)
