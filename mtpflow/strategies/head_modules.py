@@ -203,6 +203,7 @@ def draft_index(draft_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def build_module(config: dict) -> nn.Module:
+    """The untrained module a heads config describes (KeyError / TypeError where the config lacks a setting)."""
     kind = config["kind"]
     if kind == "medusa":
         return MedusaHeads(config["hidden_size"], config["num_heads"])
@@ -230,30 +231,86 @@ def save_heads(folder: str | Path, module: nn.Module, draft_ids: torch.Tensor, c
     return folder
 
 
+# what a heads.json must say, with the type of each value (a file without one of these is not a heads file)
+REQUIRED = {"kind": str, "hidden_size": int, "vocab_size": int}
+# the model's LM head rows whose norms a heads file records (``fingerprint``): the first ones of its draft vocabulary
+FINGERPRINT_ROWS = 16
+# how far a recorded norm may be from the model's: the int8 model's head rows (q * scale) are within a fraction of a
+# percent of the float32 rows they were made from; another model's rows are tens of percent away
+FINGERPRINT_TOLERANCE = 0.03
+
+
+def fingerprint(model, draft_ids: torch.Tensor) -> list[float]:
+    """The norms of the model's LM head rows of the first ``FINGERPRINT_ROWS`` draft tokens: what tells two models of
+    the same shape apart (another checkpoint of the same architecture), recorded in heads.json by training."""
+    rows = head_rows(model, draft_ids[:FINGERPRINT_ROWS].cpu())
+    return [round(float(n), 5) for n in rows.float().norm(dim=-1)]
+
+
 def load_heads(folder: str | Path) -> tuple[nn.Module, torch.Tensor, dict]:
-    """(module in float32, eval mode; draft token ids; config) from a folder written by ``save_heads``."""
+    """(module in float32, eval mode; draft token ids; config) from a folder written by ``save_heads``. A file that
+    is not what ``save_heads`` writes (unreadable, cut short, weights of another shape than its heads.json says) is a
+    one-line UserError naming it."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     folder = Path(folder).expanduser()
-    if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
+    config_path, weights_path = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    if not config_path.exists() or not weights_path.exists():
         raise UserError(f"no trained heads in {folder} (expected {CONFIG_NAME} and {WEIGHTS_NAME})")
-    config = json.loads((folder / CONFIG_NAME).read_text(encoding="utf-8"))
-    tensors = load_file(str(folder / WEIGHTS_NAME))
-    draft_ids = tensors.pop("draft_ids").long()
-    module = build_module(config)
-    module.load_state_dict({k: v.float() for k, v in tensors.items()})
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise UserError(f"{config_path} is not a heads config: not JSON ({_first_line(exc)})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_path} is not a heads config: expected a JSON object")
+    for key, kind in REQUIRED.items():
+        if not isinstance(config.get(key), kind) or isinstance(config.get(key), bool):
+            raise UserError(f"{config_path} is not a heads config: {key!r} is missing or not a {kind.__name__}")
+    try:
+        tensors = load_file(str(weights_path))
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise UserError(f"{weights_path} cannot be read (corrupt or cut short?): {_first_line(exc)}") from None
+    draft_ids = tensors.pop("draft_ids", None)
+    if draft_ids is None or draft_ids.dim() != 1 or draft_ids.dtype.is_floating_point or not draft_ids.numel():
+        raise UserError(f"{weights_path} has no draft vocabulary (a 'draft_ids' tensor of token ids)")
+    draft_ids = draft_ids.long()
+    if int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config["vocab_size"]:
+        raise UserError(f"{weights_path}: its draft vocabulary has token ids outside the vocabulary of "
+                        f"{config['vocab_size']} its heads.json names")
+    try:
+        module = build_module(config)
+        module.load_state_dict({k: v.float() for k, v in tensors.items()})
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise UserError(f"{weights_path} does not hold the {config['kind']} heads its {CONFIG_NAME} describes "
+                        f"(hidden {config['hidden_size']}): {_first_line(exc)}") from None
     return module.eval(), draft_ids, config
 
 
-def check_matches(config: dict, model, where: str, taps: tuple[int, ...] | None = None) -> None:
-    """UserError when heads were trained for a model of another shape, or (EAGLE-3) on other layers than the
-    ``taps`` the strategy's forwards return."""
+def _first_line(exc: Exception) -> str:
+    text = " ".join(str(exc).split())
+    return (text[:200] + "...") if len(text) > 200 else (text or type(exc).__name__)
+
+
+def check_matches(config: dict, model, where: str, taps: tuple[int, ...] | None = None,
+                  draft_ids: torch.Tensor | None = None) -> None:
+    """UserError when heads were trained for a model of another shape or vocabulary, for another model of the same
+    shape (the recorded ``fingerprint`` of its LM head rows differs), or (EAGLE-3) on other layers than the ``taps``
+    the strategy's forwards return."""
     hidden = int(model.config.hidden_size)
     vocab = output_size(model)
     if config.get("hidden_size") != hidden or config.get("vocab_size") != vocab:
         raise UserError(f"heads in {where} were trained for {config.get('model_id')!r} (hidden "
                         f"{config.get('hidden_size')}, vocab {config.get('vocab_size')}); this model has hidden "
                         f"{hidden}, vocab {vocab}: train heads for it with python -m mtpflow.train_heads")
+    recorded = config.get("fingerprint")
+    if recorded and draft_ids is not None:
+        mine = fingerprint(model, draft_ids)
+        if len(mine) != len(recorded) or any(abs(a - b) > FINGERPRINT_TOLERANCE * max(abs(b), 1e-6)
+                                             for a, b in zip(mine, recorded)):
+            raise UserError(f"heads in {where} were trained for another model, {config.get('model_id')!r}, of the same "
+                            f"shape (its LM head rows differ from this model's): train heads for this model with "
+                            f"python -m mtpflow.train_heads")
     if config.get("kind") == "eagle3" and taps is not None and tuple(config.get("taps") or ()) != tuple(taps):
         raise UserError(f"eagle3 heads in {where} were trained on layers {list(config.get('taps') or ())} of "
                         f"{config.get('model_id')!r}; this strategy's forwards return layers {list(taps)}: "

@@ -59,7 +59,7 @@ class PreparedHeads:
         module, draft_ids, config = load_heads(folder)
         if config.get("kind") != kind:
             raise UserError(f"{folder} holds {config.get('kind')} heads, not {kind}")
-        check_matches(config, model, str(folder), taps)
+        check_matches(config, model, str(folder), taps, draft_ids)
         self.config = config
         self.width = int(model.config.hidden_size) * (len(config["taps"]) if kind == "eagle3" else 1)
 

@@ -28,7 +28,7 @@ from tqdm import tqdm
 from mtpflow.errors import ConfigError, UserError, check_int, check_range, writable_folder
 from mtpflow.model import model_slug
 from mtpflow.strategies.head_modules import (
-    Eagle3Drafter, EagleDrafter, MedusaHeads, default_attention_heads, draft_index, save_heads, unroll,
+    Eagle3Drafter, EagleDrafter, MedusaHeads, default_attention_heads, draft_index, fingerprint, save_heads, unroll,
 )
 
 _lock = threading.Lock()
@@ -429,7 +429,8 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     def embed(ids):
         return embed_weight[ids]
 
-    base = {"model_id": loaded.model_id, "model_name": str(m.name), "hidden_size": hidden, "vocab_size": vocab}
+    base = {"model_id": loaded.model_id, "model_name": str(m.name), "hidden_size": hidden, "vocab_size": vocab,
+            "fingerprint": fingerprint(model, draft_ids)}
     training = {"sequences": len(records), "held_out_sequences": len(held_out) if held_out is not train else 0,
                 "generated_tokens": generated, "data_seconds": round(t_data, 1),
                 "data": data_settings}
