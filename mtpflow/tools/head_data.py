@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -34,6 +36,10 @@ def load_prompts(path: str | None = None) -> list[str]:
             prompts = _read_prompts(p.read_text(encoding="utf-8"))
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{p}: every line must be a JSON object with a 'prompt' or 'text' field") from None
+        taken = benchmark_overlap(prompts)
+        if taken:
+            raise UserError(f"{p}: {len(taken)} prompt(s) overlap the benchmark's prompts (e.g. {taken[0][:60]!r}): "
+                            "heads must not train on the text they are measured on")
     else:
         from mtpflow.tools import domain_prompts
 
@@ -45,74 +51,88 @@ def load_prompts(path: str | None = None) -> list[str]:
     return prompts
 
 
+# word n-grams shared with a benchmark prompt mark a training prompt as taken from it (8 words: a sentence
+# fragment, not a common phrase)
+SHINGLE = 8
+
+
+def shingles(text: str, n: int = SHINGLE) -> set[str]:
+    """The lower-cased word n-grams of ``text`` (letters and digits only)."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)} or ({" ".join(words)} if words else set())
+
+
+def benchmark_overlap(prompts: list[str]) -> list[str]:
+    """The ``prompts`` that share a word 8-gram (or, when shorter, their whole text) with one of the benchmark's own
+    prompts (``mtpflow/data/bench_prompts.jsonl``): training on them would measure the heads on their training text."""
+    text = resources.files("mtpflow.data").joinpath("bench_prompts.jsonl").read_text(encoding="utf-8")
+    bench = set().union(*(shingles(p) for p in _read_prompts(text)))
+    return [p for p in prompts if shingles(p) & bench]
+
+
 def settings_key(model_id: str, settings: dict) -> str:
     blob = json.dumps({"model": model_id, **settings}, sort_keys=True)
     return hashlib.sha1(blob.encode()).hexdigest()[:10]
 
 
 @torch.inference_mode()
-def sample_batch(model, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos: set[int],
+def sample_batch(backend, prompts: list[list[int]], max_new_tokens: int, temperature: float, eos: set[int],
                  generator: torch.Generator, taps: tuple[int, ...] = ()) -> list[dict]:
-    """Sample continuations for a batch of prompts (left-padded). Per sequence: ``tokens`` [L] (prompt +
-    generated), ``hidden`` [L - 1, h] (fp16, the hidden state at each fed input), ``greedy`` [L - 1] (the
-    model's argmax after each input) and ``prompt_len``; with ``taps`` (``mtpflow.types.hidden_taps``) also
-    ``taps`` [L - 1, len(taps) * h] (fp16, those layers' outputs concatenated, as a decoding forward returns
-    them; free here, every forward computes all layers' outputs anyway)."""
-    from transformers import DynamicCache
+    """Sample continuations for a batch of prompts through ``backend`` (the engine's: the float32 model's native or
+    hf forwards, or the int8 model's), every sequence in its own KV slot, one verify forward per step for the
+    sequences still running. Per sequence: ``tokens`` [L] (prompt + generated), ``hidden`` [L - 1, h] (fp16, the
+    last hidden state at each fed input), ``greedy`` [L - 1] (the model's argmax after each input; -1 before the
+    last prompt token, where a prefill computes no logits: no label trains on those) and ``prompt_len``; with
+    ``taps`` (``mtpflow.types.hidden_taps``) also ``taps`` [L - 1, len(taps) * h] (fp16, those layers' outputs
+    concatenated, as a decoding forward returns them)."""
+    from mtpflow.target import Target
+    from mtpflow.types import Draft
 
-    batch = len(prompts)
-    longest = max(len(p) for p in prompts)
-    pad = 0
-    ids = torch.full((batch, longest), pad, dtype=torch.long)
-    attention = torch.zeros(batch, longest, dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p):] = torch.tensor(p)
-        attention[i, longest - len(p):] = 1
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    hidden_rows, greedy_rows, token_rows, tap_rows = [], [], [ids], []
-    done = torch.zeros(batch, dtype=torch.bool)
-    lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
-    step_ids, step_pos = ids, positions
+    want = (*taps, -1)  # the tapped layers, then the last hidden state
+    pool = backend.make_pool(len(prompts))
+    targets = [Target(backend, need_hidden=want, pool=pool) for _ in prompts]
+    width = None
+    seqs = []
+    for target, prompt, (logits, hidden) in zip(targets, prompts, backend.prefill(
+            targets, [torch.tensor(p, dtype=torch.long) for p in prompts])):
+        width = hidden.shape[-1] // len(want)
+        seqs.append({"target": target, "tokens": list(prompt), "prompt_len": len(prompt),
+                     "rows": [hidden.to(torch.float16)], "greedy": [-1] * (len(prompt) - 1),
+                     "logits": logits[-1:].float()})
+    running = list(seqs)
     for step in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_pos, cache=cache,
-                    use_cache=True, output_hidden_states=True)
-        logits = out.logits[:, -1].float()
-        hidden_rows.append(out.hidden_states[-1].to(torch.float16))
-        if taps:  # tap i is decoder layer i's output, HF's hidden_states[i + 1]; -1 the last (normed) one
-            tap_rows.append(torch.cat([out.hidden_states[-1 if t == -1 else t + 1] for t in taps], -1)
-                            .to(torch.float16))
-        greedy_rows.append(out.logits.argmax(-1))
+        logits = torch.cat([s["logits"] for s in running])  # [running, vocab]
+        for s, g in zip(running, logits.argmax(-1).tolist()):
+            s["greedy"].append(g)
         if temperature > 0:
-            nxt = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).flatten()
+            nxt = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).flatten().tolist()
         else:
-            nxt = logits.argmax(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        token_rows.append(nxt[:, None])
-        finished = torch.tensor([int(t) in eos for t in nxt.tolist()]) & ~done
-        lengths[finished] = step + 1
-        done |= finished
-        if bool(done.all()):
+            nxt = logits.argmax(-1).tolist()
+        still = []
+        for s, token in zip(running, nxt):
+            s["tokens"].append(int(token))
+            if int(token) in eos or step + 1 == max_new_tokens:
+                s["target"].release()
+            else:
+                still.append(s)
+        running = still
+        if not running:
             break
-        step_ids = nxt[:, None]
-        step_pos = step_pos[:, -1:] + 1
-        attention = torch.cat([attention, torch.ones(batch, 1, dtype=torch.long)], -1)
-    tokens = torch.cat(token_rows, -1)
-    hidden = torch.cat(hidden_rows, 1)
-    greedy = torch.cat(greedy_rows, 1)
-    tapped = torch.cat(tap_rows, 1) if taps else None
+        results = backend.verify([s["target"] for s in running], [s["tokens"][-1] for s in running],
+                                 [Draft.empty()] * len(running), [len(s["tokens"]) - 1 for s in running])
+        for s, v in zip(running, results):
+            s["rows"].append(v.hidden.to(torch.float16))
+            s["logits"] = v.logits[-1:].float()
     records = []
-    for i, p in enumerate(prompts):
-        start = longest - len(p)
-        end = longest + int(lengths[i])  # exclusive end of the tokens kept
-        records.append({
-            "tokens": tokens[i, start:end].to(torch.int32).clone(),
-            "hidden": hidden[i, start:end - 1].clone(),
-            "greedy": greedy[i, start:end - 1].to(torch.int32).clone(),
-            "prompt_len": len(p),
-        })
+    for s in seqs:
+        rows = torch.cat(s["rows"])  # [L - 1, (len(taps) + 1) * h]
+        record = {"tokens": torch.tensor(s["tokens"], dtype=torch.int32),
+                  "hidden": rows[:, -width:].clone(),
+                  "greedy": torch.tensor(s["greedy"], dtype=torch.int32),
+                  "prompt_len": s["prompt_len"]}
         if taps:
-            records[-1]["taps"] = tapped[i, start:end - 1].clone()
+            record["taps"] = rows[:, :-width].clone()
+        records.append(record)
     return records
 
 
@@ -135,10 +155,30 @@ def length_buckets(encoded: list[list[int]], batch_size: int, bucket: int = BUCK
     return batches
 
 
-def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
+class Paused(Exception):
+    """The run's time limit passed (``time_limit_minutes``): what it did is on disk (shards, training state), and
+    the same command continues from there."""
+
+
+class Deadline:
+    """The time limit of one run (None: none), checked between units of work that are saved as they finish."""
+
+    def __init__(self, minutes: float | None):
+        self.end = time.monotonic() + 60 * float(minutes) if minutes else None
+
+    def check(self, where: str) -> None:
+        if self.end is not None and time.monotonic() > self.end:
+            raise Paused(where)
+
+
+TIMES_NAME = "seconds.json"  # in a shard folder: the seconds each shard took to write (a run's data time, summed)
+
+
+def generate_data(loaded, cfg, folder: Path, encode, backend, deadline: Deadline | None = None) -> list[Path]:
     """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed,
-    taps; checked by ``train_heads.check_settings``)."""
-    from mtpflow.types import hidden_taps
+    taps; checked by ``train_heads.check_settings``) with the target's forwards through ``backend``; raises
+    ``Paused`` between shards once ``deadline`` has passed."""
+    from mtpflow.forward import hidden_taps
 
     folder.mkdir(parents=True, exist_ok=True)
     spec = cfg.get("taps")
@@ -156,21 +196,35 @@ def generate_data(loaded, cfg, folder: Path, encode) -> list[Path]:
     encoded = [encode(p) for p in prompts[:samples]]  # each prompt once; samples beyond them cycle
     batches = length_buckets([encoded[i % len(encoded)] for i in range(samples)], batch_size,
                              int(cfg.get("bucket", BUCKET)))
+    times_path = folder / TIMES_NAME
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    written = 0  # by this run
     bar = tqdm(range(n_shards), desc="generate training text", unit="batch")
     for s in bar:
         path = folder / f"shard_{s:05d}.pt"
         shards.append(path)
         if path.exists():  # resume: this batch was written by an earlier run
             continue
+        if written and deadline is not None:  # a run writes at least one batch, so every slice makes progress
+            deadline.check(f"training text: {s}/{n_shards} batches written")
+        t0 = time.perf_counter()
         generator = torch.Generator().manual_seed(int(cfg.seed) * 100003 + s)
         temperature = temperatures[s % len(temperatures)]
-        records = sample_batch(loaded.model, batches[s], int(cfg.max_new_tokens), temperature, eos, generator,
-                               taps)
+        records = sample_batch(backend, batches[s], int(cfg.max_new_tokens), temperature, eos, generator, taps)
         tmp = path.with_suffix(".tmp")
         torch.save(records, tmp)
         tmp.replace(path)
+        times[path.name] = round(time.perf_counter() - t0, 2)
+        times_path.write_text(json.dumps(times, indent=1) + "\n")
+        written += 1
         bar.set_postfix(tokens=generated_tokens(records))
     return shards
+
+
+def data_seconds(folder: Path) -> float:
+    """The seconds the shards of ``folder`` took to write, over every run that wrote them."""
+    path = folder / TIMES_NAME
+    return round(sum(json.loads(path.read_text()).values()), 1) if path.exists() else 0.0
 
 
 def generated_tokens(records: list[dict]) -> int:
