@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from mtpflow.backends.base import Backend
-from mtpflow.errors import ConfigError, UserError, check_k
+from mtpflow.errors import ConfigError, UserError, check_int, check_k
 from mtpflow.plugins import hookimpl
 from mtpflow.strategies.graft import graft_tree
 from mtpflow.strategies.head_drafting import DraftVocabulary, EagleDraft, MedusaDraft, draft_runner
@@ -55,11 +55,16 @@ class PreparedHeads:
     """A heads folder made ready for one backend: its products (weights copied, packed or quantized once) and
     what a sequence's drafter needs; shared read-only by the requests of an engine."""
 
-    def __init__(self, folder: Path, kind: str, model, taps, backend, int8: bool):
+    def __init__(self, folder: Path, kind: str, model, taps, backend, int8: bool, vocab_size: int | None = None):
         module, draft_ids, config = load_heads(folder)
         if config.get("kind") != kind:
             raise UserError(f"{folder} holds {config.get('kind')} heads, not {kind}")
         check_matches(config, model, str(folder), taps, draft_ids)
+        if vocab_size is not None and vocab_size < draft_ids.numel():
+            if config.get("draft_vocab_order") != "frequency":
+                raise UserError(f"strategy.propose.vocab_size: the draft vocabulary of {folder} is not stored most "
+                                "frequent first (heads trained before it was): retrain them to use fewer tokens")
+            draft_ids = draft_ids[:vocab_size]  # the most frequent target choices
         self.config = config
         self.width = int(model.config.hidden_size) * (len(config["taps"]) if kind == "eagle3" else 1)
 
@@ -171,16 +176,18 @@ class MTPHeadsProposer:
 
     ``precision``: the draft's own products (``head_drafting``) in float32 or int8 (the W8A8 product where the
     backend has one); ``auto``: int8 over the int8 model (``model.quantize=int8``), float32 otherwise. Lossless
-    either way: the target verifies every draft."""
+    either way: the target verifies every draft. ``vocab_size`` (null: all): draft over only the N most frequent
+    tokens of the heads' draft vocabulary (a smaller vocabulary product, fewer reachable tokens)."""
 
     def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
                  branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True,
-                 recycling=None, suffix=None, precision: str = "auto"):
+                 recycling=None, suffix=None, precision: str = "auto", vocab_size: int | None = None):
         if kind not in KINDS:
             raise ConfigError(f"strategy.propose.kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if precision not in PRECISIONS:
             raise ConfigError(f"strategy.propose.precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
         self.precision = precision
+        self.vocab_size = None if vocab_size is None else check_int("strategy.propose.vocab_size", vocab_size, 1)
         self.kind, self.heads_path = kind, heads
         self.top_k = check_k("strategy.propose.top_k", top_k)
         self.max_nodes = check_k("strategy.propose.max_nodes", max_nodes)
@@ -237,10 +244,13 @@ class MTPHeadsProposer:
         backend = getattr(context, "backend", None) or Backend(model)
         # the products are the same for every request of an engine: made once (weights read, packed, quantized) and
         # shared read-only; the drafting state (an EAGLE cache) is this sequence's own
-        key = f"heads:{folder}:{self.kind}:{'int8' if int8 else 'float32'}:{taps}"
+        key = f"heads:{folder}:{self.kind}:{'int8' if int8 else 'float32'}:{taps}:{self.vocab_size}"
+
+        def prepare():
+            return PreparedHeads(folder, self.kind, model, taps, backend, int8, self.vocab_size)
+
         shared = getattr(context, "shared", None)
-        prepared = (PreparedHeads(folder, self.kind, model, taps, backend, int8) if shared is None
-                    else shared.get(key, lambda: PreparedHeads(folder, self.kind, model, taps, backend, int8)))
+        prepared = prepare() if shared is None else shared.get(key, prepare)
         self.width, self.vocab, self.drafter = prepared.width, prepared.vocab, prepared.drafter()
         self.embed = model.get_input_embeddings()
         facts = {"heads": str(folder), "heads_kind": self.kind, "heads_precision": "int8" if int8 else "float32"}

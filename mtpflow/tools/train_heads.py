@@ -68,14 +68,14 @@ def compose(overrides: list[str]) -> DictConfig:
 
 
 def pick_draft_vocab(records: list[dict], size: int, vocab: int) -> torch.Tensor:
-    """The ``size`` target choices seen most often in the generated text (the whole vocabulary if 0)."""
-    if size <= 0 or size >= vocab:
-        return torch.arange(vocab)
+    """The ``size`` target choices seen most often in the generated text (EAGLE-3's draft vocabulary; the whole
+    vocabulary if 0), most frequent first (ties by id): the first N of them are the N most frequent, so a decoder
+    may use fewer (``strategy.propose.vocab_size``)."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for r in records:
         counts += torch.bincount(r["greedy"][r["prompt_len"] - 1:].long().clamp(min=0), minlength=vocab)
     order = torch.argsort(counts, descending=True, stable=True)
-    return order[:size].sort().values
+    return order if size <= 0 or size >= vocab else order[:size]
 
 
 def split_by_prompt(records: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
@@ -157,7 +157,7 @@ class TrainState:
 
     def __init__(self, folder: Path, key: str, module, opt, sched, generator: torch.Generator, best: Checkpoint,
                  every: int):
-        self.path, self.key, self.every = folder / STATE_NAME, key, every
+        self.path, self.key, self.every = (folder / STATE_NAME if folder else None), key, every
         self.module, self.opt, self.sched, self.generator, self.best = module, opt, sched, generator, best
 
     def read(self, resume: bool) -> dict | None:
@@ -205,7 +205,7 @@ class Run:
     """What every kind's training shares: where states go, the settings key, whether to resume, how often to write
     the state, the time limit."""
 
-    def __init__(self, out: Path, key: dict, resume: bool, every: int, deadline: Deadline):
+    def __init__(self, out: Path | None, key: dict, resume: bool, every: int, deadline: Deadline):
         self.out, self.key_parts, self.resume, self.every, self.deadline = out, key, resume, every, deadline
 
     def key(self, kind: str, settings) -> str:
@@ -214,8 +214,9 @@ class Run:
         return hashlib.sha1(blob.encode()).hexdigest()
 
 
-def fit(kind: str, module: torch.nn.Module, cfg, seed: int, run: Run, loss_step, evaluate) -> dict:
-    """Train ``module`` for ``cfg.steps`` steps (AdamW at ``cfg.lr``, one cycle), resumable (``TrainState``).
+def fit(kind: str, module: torch.nn.Module, cfg, seed: int, run: Run | None, loss_step, evaluate) -> dict:
+    """Train ``module`` for ``cfg.steps`` steps (AdamW at ``cfg.lr``, one cycle), resumable (``TrainState``; with
+    ``run`` None, in memory only: a script's experiment).
     ``loss_step(generator)``: one batch's (loss, progress bar figures); ``evaluate()``: (score, held-out metrics),
     run every ``cfg.eval_every`` steps. Restores the best held-out checkpoint; returns its metrics."""
     opt = torch.optim.AdamW(module.parameters(), lr=float(cfg.lr), weight_decay=float(cfg.weight_decay))
@@ -223,8 +224,9 @@ def fit(kind: str, module: torch.nn.Module, cfg, seed: int, run: Run, loss_step,
     sched = lr_schedule(opt, float(cfg.lr), steps)
     g = torch.Generator().manual_seed(seed)
     best = Checkpoint(module)
-    state = TrainState(run.out / kind, run.key(kind, cfg), module, opt, sched, g, best, run.every)
-    saved = state.read(run.resume)
+    run = run or Run(None, {}, False, steps + 1, Deadline(None))
+    state = TrainState(run.out / kind if run.out else None, run.key(kind, cfg), module, opt, sched, g, best, run.every)
+    saved = state.read(run.resume) if run.out else None
     start, seconds = (state.resume(saved), float(saved["seconds"])) if saved else (0, 0.0)
     if start:
         print(f"{kind}: continuing from step {start} of {steps} ({state.path})", file=sys.stderr)
@@ -247,7 +249,7 @@ def fit(kind: str, module: torch.nn.Module, cfg, seed: int, run: Run, loss_step,
             except Paused:
                 state.save(done, seconds + time.perf_counter() - t0)
                 raise
-            if done % run.every == 0:
+            if done % run.every == 0 and run.out:
                 state.save(done, seconds + time.perf_counter() - t0)
     bar.close()
     best.restore()
@@ -269,7 +271,7 @@ def head_accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float((logits.argmax(-1) == labels)[valid].float().mean()) if bool(valid.any()) else 0.0
 
 
-def train_medusa(cfg, records, held_out, lm, index, hidden, seed, run: Run) -> tuple[MedusaHeads, dict]:
+def train_medusa(cfg, records, held_out, lm, index, hidden, seed, run: Run | None = None) -> tuple[MedusaHeads, dict]:
     torch.manual_seed(seed)
     k = int(cfg.num_heads)
     heads = MedusaHeads(hidden, k)
@@ -323,7 +325,8 @@ def eagle_batch(records, length, g, embed, index, noise):
             torch.stack(pos))
 
 
-def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed, run: Run) -> tuple[EagleDrafter, dict, dict]:
+def train_eagle(cfg, records, held_out, lm, index, embed, hidden, seed,
+                run: Run | None = None) -> tuple[EagleDrafter, dict, dict]:
     torch.manual_seed(seed)
     heads = int(cfg.attention_heads) or default_attention_heads(hidden)
     layer_cfg = {"attention_heads": heads, "intermediate_size": int(cfg.intermediate_size), "window": int(cfg.window)}
@@ -397,7 +400,7 @@ def unrolled_accuracy(drafter: EagleDrafter, crops, lm, steps: int) -> list[floa
 
 
 def train_eagle3(cfg, records, held_out, lm, index, embed, hidden, taps, seed,
-                 run: Run) -> tuple[Eagle3Drafter, dict, dict]:
+                 run: Run | None = None) -> tuple[Eagle3Drafter, dict, dict]:
     """EAGLE-3: token loss only, on every step of a ``train_steps``-deep unrolled draft (training-time test)."""
     torch.manual_seed(seed)
     heads = int(cfg.attention_heads) or default_attention_heads(hidden)
@@ -550,7 +553,7 @@ def run(cfg: DictConfig, loaded=None) -> Path:
 
     target = "int8" if loaded.int8 is not None else str(loaded.dtype).replace("torch.", "")
     base = {"model_id": loaded.model_id, "model_name": str(m.name), "target": target, "hidden_size": hidden,
-            "vocab_size": vocab, "fingerprint": fingerprint(model, draft_ids)}
+            "vocab_size": vocab, "fingerprint": fingerprint(model, draft_ids), "draft_vocab_order": "frequency"}
     training = {"sequences": len(records), "held_out_sequences": len(held_out) if held_out is not train else 0,
                 "generated_tokens": generated, "data_seconds": t_data, "data": data_settings}
     # a training state resumes only for the same model, text, split and draft vocabulary

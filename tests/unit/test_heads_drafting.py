@@ -5,6 +5,7 @@ and random heads over the int8 model decode exactly as the int8 reference."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -155,3 +156,38 @@ def test_heads_over_the_int8_model_decode_as_its_reference(kind, precision, tmp_
         assert result.stats["heads_precision"] == precision
         drafted += result.stats["draft_tokens"]
     assert drafted > 0
+
+
+def test_a_smaller_draft_vocabulary_from_the_most_frequent_tokens(tmp_path):
+    """``pick_draft_vocab`` keeps the most frequent target choices first; ``strategy.propose.vocab_size`` drafts from
+    the first N of them only (still lossless); heads whose vocabulary is not stored in that order are refused."""
+    from helpers import hf_greedy
+    from mtpflow.errors import UserError
+    from mtpflow.hookspecs import hookimpl
+    from mtpflow.strategies.head_modules import CONFIG_NAME, load_heads
+    from mtpflow.tools.train_heads import pick_draft_vocab
+
+    records = [{"greedy": torch.tensor([-1, 7, 7, 3, 7, 3, 9]), "prompt_len": 2}]
+    assert pick_draft_vocab(records, 3, 12).tolist() == [7, 3, 9]
+    assert pick_draft_vocab(records, 0, 12)[:3].tolist() == [7, 3, 9]
+
+    loaded = tiny_loaded(seed=0)
+    folder = random_heads(loaded, "eagle", tmp_path / "e", scale=0.2, draft_vocab=120)
+    config = json.loads((folder / CONFIG_NAME).read_text())
+    first = load_heads(folder)[1][:30].tolist()
+    drafted = set()
+
+    class Spy:
+        @hookimpl
+        def on_step_end(self, record):
+            drafted.update(record.draft.tokens.tolist())
+
+    args = ("max_new_tokens=24", "trace=off", f"strategy.propose.heads={folder}", "strategy.propose.vocab_size=30",
+            "strategy.prune.0.threshold=0.0", "strategy.prune.0.costs=null")
+    with pytest.raises(UserError, match="not stored most frequent first"):
+        make_pipeline(loaded, "eagle", *args)(prompt_ids=[5, 6, 7])
+    (folder / CONFIG_NAME).write_text(json.dumps({**config, "draft_vocab_order": "frequency"}))
+    for ids in prompts(len(loaded.tokenizer), 3, seed=1):
+        result = make_pipeline(loaded, "eagle", *args)(prompt_ids=ids, extra_plugins=(Spy(),))
+        assert result.token_ids == hf_greedy(loaded.model, ids, 24)
+    assert drafted and drafted <= set(first)
