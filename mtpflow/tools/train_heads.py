@@ -37,11 +37,12 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from mtpflow.errors import ConfigError, UserError, check_int, check_range, writable_folder
-from mtpflow.tools.head_data import Deadline, Paused
 from mtpflow.model import model_slug
 from mtpflow.strategies.head_modules import (
-    CONFIG_NAME, Eagle3Drafter, EagleDrafter, MedusaHeads, default_attention_heads, draft_index, fingerprint, save_heads, unroll,
+    CONFIG_NAME, Eagle3Drafter, EagleDrafter, MedusaHeads, default_attention_heads, draft_index, fingerprint,
+    save_heads, unroll,
 )
+from mtpflow.tools.head_data import Deadline, Paused
 
 _lock = threading.Lock()
 
@@ -143,7 +144,8 @@ class Checkpoint:
         return {"state": self.state, "step": self.step, "score": self.score, "metrics": self.metrics}
 
     def load_state_dict(self, saved: dict) -> None:
-        self.state, self.step, self.score, self.metrics = saved["state"], saved["step"], saved["score"], saved["metrics"]
+        self.state, self.step = saved["state"], saved["step"]
+        self.score, self.metrics = saved["score"], saved["metrics"]
 
 
 STATE_NAME = "train_state.pt"  # in out/<kind>/: one kind's training as it stands (``TrainState``)
