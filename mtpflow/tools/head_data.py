@@ -178,7 +178,7 @@ def generate_data(loaded, cfg, folder: Path, encode, backend, deadline: Deadline
     """Write (or reuse) the shards of ``cfg`` (samples, batch_size, bucket, max_new_tokens, temperatures, seed,
     taps; checked by ``train_heads.check_settings``) with the target's forwards through ``backend``; raises
     ``Paused`` between shards once ``deadline`` has passed."""
-    from mtpflow.forward import hidden_taps
+    from mtpflow.types import hidden_taps
 
     folder.mkdir(parents=True, exist_ok=True)
     spec = cfg.get("taps")
