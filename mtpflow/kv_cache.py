@@ -165,27 +165,17 @@ class SlotLayer(DynamicLayer):
     def lazy_initialization(self, key_states, value_states) -> None:  # buffers live in the pool
         pass
 
-    @property
-    def keys(self):
+    # this layer's slice of the pool's buffers; assigning is a no-op (DynamicLayer.__init__ assigns None; the pool
+    # owns the storage)
+    keys = property(lambda self: self._pool_slice("keys"), lambda self, value: None)
+    values = property(lambda self: self._pool_slice("values"), lambda self, value: None)
+
+    def _pool_slice(self, buffers: str):
         if getattr(self, "seq", None) is None:
             return None
         pool = self.seq.pool
-        return pool.keys[self.layer_idx][self.seq.slot : self.seq.slot + 1, :, : self.length] if pool.keys else None
-
-    @keys.setter
-    def keys(self, value):  # DynamicLayer.__init__ assigns None; the pool owns the storage
-        pass
-
-    @property
-    def values(self):
-        if getattr(self, "seq", None) is None:
-            return None
-        pool = self.seq.pool
-        return pool.values[self.layer_idx][self.seq.slot : self.seq.slot + 1, :, : self.length] if pool.values else None
-
-    @values.setter
-    def values(self, value):
-        pass
+        layers = getattr(pool, buffers)
+        return layers[self.layer_idx][self.seq.slot : self.seq.slot + 1, :, : self.length] if layers else None
 
     def update(self, key_states, value_states, *args, **kwargs):
         q = int(key_states.shape[-2])

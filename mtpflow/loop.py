@@ -92,54 +92,26 @@ class StageTimer:
             tb = tb.tb_next
 
     @hookimpl(wrapper=True)
-    def select_k(self):
-        return (yield from self._timed("select_k"))
-
-    @hookimpl(wrapper=True)
-    def propose(self):
-        return (yield from self._timed("propose"))
-
-    @hookimpl(wrapper=True)
-    def prune(self):
-        return (yield from self._timed("prune"))
-
-    @hookimpl(wrapper=True)
-    def verify(self):
-        return (yield from self._timed("verify"))
-
-    @hookimpl(wrapper=True)
-    def gate(self):
-        return (yield from self._timed("gate"))
-
-    @hookimpl(wrapper=True)
-    def dedup(self):
-        return (yield from self._timed("dedup"))
-
-    @hookimpl(wrapper=True)
-    def rescore(self):
-        return (yield from self._timed("rescore"))
-
-    @hookimpl(wrapper=True)
-    def window(self):
-        return (yield from self._timed("window"))
-
-    @hookimpl(wrapper=True)
-    def on_run_start(self):
-        return (yield from self._timed("on_run_start", timed=False))
-
-    @hookimpl(wrapper=True)
-    def on_step_end(self):
-        return (yield from self._timed("on_step_end", timed=False))
-
-    @hookimpl(wrapper=True)
-    def run_stats(self):
-        return (yield from self._timed("run_stats", timed=False))
-
-    @hookimpl(wrapper=True)
     def on_run_end(self, result):
         if self.report:
             result.stats.update(self.report)
         return (yield from self._timed("on_run_end", timed=False))
+
+
+def _stage_wrapper(hook: str, timed: bool) -> Callable:
+    """StageTimer's pluggy wrapper of ``hook``: it times the hook (when ``timed``), and records that it runs and
+    what failed in it."""
+    def wrapper(self):
+        return (yield from self._timed(hook, timed=timed))
+    wrapper.__name__ = wrapper.__qualname__ = hook
+    return hookimpl(wrapper=True)(wrapper)
+
+
+# the stage hooks are timed; the run hooks only say which hook runs (on_run_end, written out, adds the report)
+TIMED_HOOKS = ("select_k", "propose", "prune", "verify", "gate", "dedup", "rescore", "window")
+for _hook in TIMED_HOOKS + ("on_run_start", "on_step_end", "run_stats"):
+    setattr(StageTimer, _hook, _stage_wrapper(_hook, timed=_hook in TIMED_HOOKS))
+del _hook
 
 
 def _raised_by(exc: BaseException, hook: str) -> str | None:

@@ -172,17 +172,20 @@ class LinearArgs(ctypes.Structure):
                         (PTR, "x", "w", "panels", "b", "q", "scale", "wsum", "y"))
 
 
+# the members both rows structs hold after their own weights, in order (MTPFLOW_DESCRIPTION_MEMBERS, rows_common.h)
+_DESCRIPTION = ((PTR, "post_attn", "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "window", "cos", "sin"),
+                (INT, "rot", "act"), (FLOAT, "softcap"), (PTR, "norm_w"), (FLOAT, "eps"), (PTR, "kc", "vc"),
+                (LONG, "cap"), (PTR, "slot", "wpos", "prefix", "first", "count", "pos", "allowed"), (INT, "qmax"),
+                (FLOAT, "scale"), (INT, "threads"))
+
+
 class RowsArgs(ctypes.Structure):
     """``struct mtpflow_rows_args`` of rows_float.c (a float32 model's verify rows), member for member: its one
     mirror."""
     _fields_ = _members((INT, "version", "size"), (PTR, "h", "normed", "taps"),
                         (INT, "M", "L", "H", "nh", "nkv", "d", "I"),
-                        (PTR, "ln1", "wqkv", "wo", "ln2", "wgu", "wd", "pqkv", "po", "pgu", "pd", "post_attn",
-                         "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "window", "cos", "sin"),
-                        (INT, "rot", "act"), (FLOAT, "softcap"), (PTR, "norm_w"),
-                        (FLOAT, "eps"), (PTR, "kc", "vc"), (LONG, "cap"),
-                        (PTR, "slot", "wpos", "prefix", "first", "count", "pos", "allowed"), (INT, "qmax"),
-                        (FLOAT, "scale"), (INT, "threads"),
+                        (PTR, "ln1", "wqkv", "wo", "ln2", "wgu", "wd", "pqkv", "po", "pgu", "pd"),
+                        *_DESCRIPTION,
                         (PTR, "qqkv", "sqkv", "qo", "so", "qgu", "sgu", "qd", "sd"))
 
 
@@ -191,11 +194,8 @@ class W8A8Args(ctypes.Structure):
     _fields_ = _members((INT, "version", "size"), (PTR, "h", "normed", "taps"),
                         (INT, "M", "L", "H", "nh", "nkv", "d", "I", "kp_h", "kp_q", "kp_i"),
                         (PTR, "ln1", "ln2", "wqkv", "wo", "wgu", "wd", "sqkv", "so", "sgu", "sd", "zqkv", "zo", "zgu",
-                         "zd", "post_attn", "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "window", "cos", "sin"),
-                        (INT, "rot", "act"), (FLOAT, "softcap"), (PTR, "norm_w"),
-                        (FLOAT, "eps"), (PTR, "kc", "vc"), (LONG, "cap"),
-                        (PTR, "slot", "wpos", "prefix", "first", "count", "pos", "allowed"), (INT, "qmax"),
-                        (FLOAT, "scale"), (INT, "threads"), (PTR, "head_q", "head_s", "head_z"),
+                         "zd"),
+                        *_DESCRIPTION, (PTR, "head_q", "head_s", "head_z"),
                         (INT, "vocab", "head_from"), (PTR, "logits"))
 
 

@@ -133,4 +133,42 @@ static inline void heads_in(float *q, float *k, int nh, int nkv, int d, const fl
     }
 }
 
+/* The members every rows entry struct starts with: its ABI version and size as the caller built it (checked before
+ * anything else is read), the residual stream h [M][H] (in: the embeddings; out: the last layer's output), normed
+ * [M][H] (out: the final norm of it), the taps, and the model's shape. */
+#define MTPFLOW_ROWS_HEAD          \
+    int version, size;             \
+    float *h, *normed;             \
+    float *const *taps;            \
+    int M, L, H, nh, nkv, d, I;
+
+/* The members both rows entry structs (mtpflow_rows_args, mtpflow_w8a8_args) hold, in this order, after their own
+ * weights: a layer description's optional parts (per layer; a NULL array or entry: the layer lacks it), the head's
+ * rotary values (rot: its first rot; d: all), the gate's activation (ACT_SILU or ACT_GELU_TANH), the scores'
+ * soft-cap (softcap * tanh(score / softcap); 0: none), then the final norm, the KV cache and the rows. kernel.py
+ * mirrors them once (_DESCRIPTION); a change here raises both ABI versions. */
+#define MTPFLOW_DESCRIPTION_MEMBERS                                                                 \
+    const float *const *post_attn, *const *post_mlp, *const *qn, *const *kn; /* norms */           \
+    const float *const *bqkv, *const *bo, *const *bgu, *const *bd;            /* biases */          \
+    const int *window;                                                                              \
+    const float *const *cos, *const *sin;                                                           \
+    int rot, act;                                                                                   \
+    float softcap;                                                                                  \
+    const float *norm_w;                                                                            \
+    float eps;                                                                                      \
+    float *const *kc, *const *vc;                                                                   \
+    long cap;                                                                                       \
+    const int *slot, *wpos, *prefix, *first, *count, *pos;                                          \
+    const unsigned char *allowed; /* [M][qmax] */                                                   \
+    int qmax;                                                                                       \
+    float scale;                                                                                    \
+    int threads;
+
+/* a product's output added to the residual stream h (one row), through the layer's norm of it where it has one
+ * (Gemma 2/3's post-attention and post-MLP norms) */
+static inline void add_residual(float *hr, float *out, const float *post, float eps, int H) {
+    if (post) rmsnorm(out, post, eps, out, H);
+    for (int i = 0; i < H; i++) hr[i] = hr[i] + out[i];
+}
+
 #endif

@@ -151,29 +151,10 @@ static void residual(float *h, float *out, const float *post, float eps, int M, 
 #define MTPFLOW_ROWS_ABI 2
 
 struct mtpflow_rows_args {
-    int version;  /* MTPFLOW_ROWS_ABI */
-    int size;     /* sizeof(struct mtpflow_rows_args) as the caller built it */
-    float *h, *normed;
-    float *const *taps;
-    int M, L, H, nh, nkv, d, I;
+    MTPFLOW_ROWS_HEAD
     const float *const *ln1, *const *wqkv, *const *wo, *const *ln2, *const *wgu, *const *wd;
     const float *const *pqkv, *const *po, *const *pgu, *const *pd;  /* NULL: the row kernel */
-    const float *const *post_attn, *const *post_mlp, *const *qn, *const *kn;  /* optional norms */
-    const float *const *bqkv, *const *bo, *const *bgu, *const *bd;            /* optional biases */
-    const int *window;
-    const float *const *cos, *const *sin;
-    int rot;       /* rotary values of a head (its first rot; d: all) */
-    int act;       /* ACT_SILU or ACT_GELU_TANH, of the gate */
-    float softcap; /* scores: softcap * tanh(score / softcap); 0: none */
-    const float *norm_w;
-    float eps;
-    float *const *kc, *const *vc;
-    long cap;
-    const int *slot, *wpos, *prefix, *first, *count, *pos;
-    const unsigned char *allowed;  /* [M][qmax] */
-    int qmax;
-    float scale;
-    int threads;
+    MTPFLOW_DESCRIPTION_MEMBERS
     /* int8 copies of the four products (weights, per-output scales; NULL: the float weights): the same forward
      * with a quarter of the weight bytes, for drafting */
     const signed char *const *qqkv;

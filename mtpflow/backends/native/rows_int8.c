@@ -105,31 +105,13 @@ static void attend_exact(const float *qh, const float *keys, const float *values
 #define MTPFLOW_W8A8_ABI 2
 
 struct mtpflow_w8a8_args {
-    int version;  /* MTPFLOW_W8A8_ABI */
-    int size;     /* sizeof(struct mtpflow_w8a8_args) as the caller built it */
-    float *h, *normed;
-    float *const *taps;
-    int M, L, H, nh, nkv, d, I;
+    MTPFLOW_ROWS_HEAD
     int kp_h, kp_q, kp_i;
     const float *const *ln1, *const *ln2;
     const signed char *const *wqkv, *const *wo, *const *wgu, *const *wd;
     const float *const *sqkv, *const *so, *const *sgu, *const *sd;
     const int32_t *const *zqkv, *const *zo, *const *zgu, *const *zd;
-    const float *const *post_attn, *const *post_mlp, *const *qn, *const *kn;  /* optional norms */
-    const float *const *bqkv, *const *bo, *const *bgu, *const *bd;            /* optional biases */
-    const int *window;
-    const float *const *cos, *const *sin;
-    int rot, act;
-    float softcap;
-    const float *norm_w;
-    float eps;
-    float *const *kc, *const *vc;
-    long cap;
-    const int *slot, *wpos, *prefix, *first, *count, *pos;
-    const unsigned char *allowed;  /* [M][qmax] */
-    int qmax;
-    float scale;
-    int threads;
+    MTPFLOW_DESCRIPTION_MEMBERS
     /* the int8 LM head [vocab][kp_h] (packed, scales, row sums) over rows head_from .. M - 1 into logits
      * [M - head_from][vocab]; logits NULL: no head */
     const signed char *head_q;
@@ -177,6 +159,23 @@ static inline void add_bias(float *y, const float *b, int r0, int r1, int N) {
         for (int n = 0; n < N; n++) y[(size_t)r * N + n] = y[(size_t)r * N + n] + b[n];
 }
 
+/* the threads of one forward: their barrier, this one's number of nt, and its rows [r0, r1) */
+struct team {
+    struct spin_barrier *barrier;
+    int t, nt, r0, r1;
+};
+
+/* one product of a layer, all threads together: out = xq W once every row's quantized input is there (a barrier
+ * before), then, once every thread's part of out is there (a barrier after), the bias on this thread's rows */
+static inline void q8_product(const struct team *tm, const unsigned char *xq, const float *sx, int M,
+                              const signed char *w, const float *s, const int32_t *z, int N, int kp, float *out,
+                              const float *bias) {
+    spin_wait(tm->barrier, tm->nt);
+    mtpflow_q8_part(tm->t, tm->nt, xq, sx, M, w, s, z, N, kp, out);
+    spin_wait(tm->barrier, tm->nt);
+    add_bias(out, bias, tm->r0, tm->r1, N);
+}
+
 /* The int8 model's decoder stack over M rows: as mtpflow_llama_rows (the same rows, pool, layer parts and taps), with
  * the int8 products and the exact attention above, in one OpenMP region: each step split between the threads (rows,
  * heads or weight blocks), a spin_wait between steps. 0, -1 out of memory, MTPFLOW_ROWS_BAD_ABI for another
@@ -205,6 +204,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     /* this thread's rows [r0, r1) and (row, head) pairs [p0, p1) */
     const int r0 = (int)((long)M * t / nt), r1 = (int)((long)M * (t + 1) / nt);
     const int p0 = (int)((long)M * nh * t / nt), p1 = (int)((long)M * nh * (t + 1) / nt);
+    const struct team team = {&barrier, t, nt, r0, r1};
     for (int r = r0; r < r1; r++) {  /* the first layer's norm; each later one follows its residual below */
         rmsnorm(h + (size_t)r * H, a->ln1[0], a->eps, x + (size_t)r * H, H);
         sx[r] = mtpflow_quantize_row(x + (size_t)r * H, H, a->kp_h, xq + (size_t)r * a->kp_h);
@@ -213,10 +213,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
         const float *c = PART(a->cos, l), *sn = PART(a->sin, l), *post_attn = PART(a->post_attn, l),
                     *post_mlp = PART(a->post_mlp, l);
         const int w = a->window ? a->window[l] : 0;
-        spin_wait(&barrier, nt);
-        mtpflow_q8_part(t, nt, xq, sx, M, a->wqkv[l], a->sqkv[l], a->zqkv[l], nqkv, a->kp_h, qkv);
-        spin_wait(&barrier, nt);
-        add_bias(qkv, PART(a->bqkv, l), r0, r1, nqkv);
+        q8_product(&team, xq, sx, M, a->wqkv[l], a->sqkv[l], a->zqkv[l], nqkv, a->kp_h, qkv, PART(a->bqkv, l));
         for (int r = r0; r < r1; r++) {
             float *q = qkv + (size_t)r * nqkv, *k = q + nq, *v = k + nk;
             heads_in(q, k, nh, nkv, d, PART(a->qn, l), PART(a->kn, l), a->eps, c ? c + (size_t)r * a->rot : NULL,
@@ -241,34 +238,22 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
         spin_wait(&barrier, nt);
         for (int r = r0; r < r1; r++)
             sx[r] = mtpflow_quantize_row(att + (size_t)r * nq, nq, a->kp_q, xq + (size_t)r * a->kp_q);
-        spin_wait(&barrier, nt);
-        mtpflow_q8_part(t, nt, xq, sx, M, a->wo[l], a->so[l], a->zo[l], H, a->kp_q, tmp);
-        spin_wait(&barrier, nt);
-        add_bias(tmp, PART(a->bo, l), r0, r1, H);
+        q8_product(&team, xq, sx, M, a->wo[l], a->so[l], a->zo[l], H, a->kp_q, tmp, PART(a->bo, l));
         for (int r = r0; r < r1; r++) {
-            float *hr = h + (size_t)r * H, *out = tmp + (size_t)r * H;
-            if (post_attn) rmsnorm(out, post_attn, a->eps, out, H);
-            for (int i = 0; i < H; i++) hr[i] = hr[i] + out[i];
-            rmsnorm(hr, a->ln2[l], a->eps, x + (size_t)r * H, H);
+            add_residual(h + (size_t)r * H, tmp + (size_t)r * H, post_attn, a->eps, H);
+            rmsnorm(h + (size_t)r * H, a->ln2[l], a->eps, x + (size_t)r * H, H);
             sx[r] = mtpflow_quantize_row(x + (size_t)r * H, H, a->kp_h, xq + (size_t)r * a->kp_h);
         }
-        spin_wait(&barrier, nt);
-        mtpflow_q8_part(t, nt, xq, sx, M, a->wgu[l], a->sgu[l], a->zgu[l], 2 * I, a->kp_h, gu);
-        spin_wait(&barrier, nt);
-        add_bias(gu, PART(a->bgu, l), r0, r1, 2 * I);
+        q8_product(&team, xq, sx, M, a->wgu[l], a->sgu[l], a->zgu[l], 2 * I, a->kp_h, gu, PART(a->bgu, l));
         for (int r = r0; r < r1; r++) {  /* act(gate) * up, VW at a time (rows_common.h) */
             const float *g = gu + (size_t)r * 2 * I;
             gated(g, g + I, act + (size_t)r * I, I, a->act);
             sx[r] = mtpflow_quantize_row(act + (size_t)r * I, I, a->kp_i, xq + (size_t)r * a->kp_i);
         }
-        spin_wait(&barrier, nt);
-        mtpflow_q8_part(t, nt, xq, sx, M, a->wd[l], a->sd[l], a->zd[l], H, a->kp_i, tmp);
-        spin_wait(&barrier, nt);
-        add_bias(tmp, PART(a->bd, l), r0, r1, H);
+        q8_product(&team, xq, sx, M, a->wd[l], a->sd[l], a->zd[l], H, a->kp_i, tmp, PART(a->bd, l));
         for (int r = r0; r < r1; r++) {
-            float *hr = h + (size_t)r * H, *out = tmp + (size_t)r * H;
-            if (post_mlp) rmsnorm(out, post_mlp, a->eps, out, H);
-            for (int i = 0; i < H; i++) hr[i] = hr[i] + out[i];
+            float *hr = h + (size_t)r * H;
+            add_residual(hr, tmp + (size_t)r * H, post_mlp, a->eps, H);
             if (a->taps && a->taps[l])
                 for (int i = 0; i < H; i++) a->taps[l][(size_t)r * H + i] = hr[i];
             if (l + 1 < L) {
