@@ -11,7 +11,6 @@ per engine (``mtpflow.backends.create``) and owns the KV pool; every target forw
 - ``self_draft(target, root, position, steps, layers)``: greedy tokens from a cheaper copy of the target itself
   (or its first ``layers`` layers), or None where the backend has none;
 - ``describe()``: what computes the forwards, the key of every cost measurement;
-- ``linear_rows(x, weight)``: a draft head's product over a few rows (the native backends read the weight once);
 - ``head_product(weight, bias, int8)``: a draft head's linear as a callable over the backend's own copy of the weight
   (the native backends: their row and panel kernels, or the int8 model's W8A8 product);
 - ``fall_back(reason, ...)``: a forward the backend's fast path declines runs a slower one under a name, counted
@@ -49,10 +48,6 @@ class Backend:
         ``Verification`` of ``results`` (the fallback's) with it."""
         self.fallbacks[reason] += 1
         return None if results is None else [replace(v, fallback=reason) for v in results]
-
-    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x @ weight.T`` for a few rows against a large weight (a draft head's vocabulary projection)."""
-        return x @ weight.T
 
     def prefill(self, targets: list, prompts: list[torch.Tensor], prefix_cache=None,
                 starts: list[int] | None = None) -> list[tuple]:

@@ -179,12 +179,6 @@ class NativeCPUBackend(Backend):
             return F.linear(x, weight, m.bias)
         return self.linear(weight, x, m.bias)
 
-    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """A draft head's product through the native row kernel (it reads the weight once for all rows)."""
-        if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled():
-            return products.linear(x, weight, lib=self.lib)
-        return super().linear_rows(x, weight)
-
     def panels(self, weight: torch.Tensor, version=None) -> torch.Tensor:
         """The panel copy of ``weight`` (``products.pack_panels``), built on first use and again when the
         weight changed in place (``version``, else its own version counter)."""

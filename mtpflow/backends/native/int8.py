@@ -23,7 +23,7 @@ import torch
 
 from mtpflow.backends.base import Backend
 from mtpflow.backends.hf import own_taps
-from mtpflow.backends.native import kernel, openmp, products
+from mtpflow.backends.native import kernel, openmp
 from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
 from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
@@ -200,12 +200,6 @@ class NativeInt8Backend(Backend):
 
     def describe(self) -> str:
         return f"{self.name} {self.device} int8 {self.kernel_identity()}"  # the float32 left (norms) is no dtype
-
-    def linear_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """A draft head's product through the native row kernel (it reads the weight once for all rows)."""
-        if x.dtype == torch.float32 and weight.dtype == torch.float32 and not torch.is_grad_enabled():
-            return products.linear(x, weight, lib=self.lib)
-        return super().linear_rows(x, weight)
 
     def thread_idle(self) -> None:
         openmp.release_workers()
