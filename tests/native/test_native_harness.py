@@ -530,8 +530,8 @@ def test_a_build_of_another_abi_is_refused_with_one_line(tmp_path, monkeypatch):
     size = ctypes.sizeof(kernel.RowsArgs)
     abi = kernel.ENTRY_POINTS["rows"][2]
     foreign = _build_edited(tmp_path, "v999", f"#define MTPFLOW_ROWS_ABI {abi}\n", "#define MTPFLOW_ROWS_ABI 999\n")
-    grown = _build_edited(tmp_path, "grown", "    int threads;\n    /* int8 copies",
-                          "    int threads;\n    double extra;\n    /* int8 copies")
+    grown = _build_edited(tmp_path, "grown", "    MTPFLOW_DESCRIPTION_MEMBERS\n    /* int8 copies",
+                          "    MTPFLOW_DESCRIPTION_MEMBERS\n    double extra;\n    /* int8 copies")
     bare = tmp_path / "bare.c"
     bare.write_text("int mtpflow_vector_width(void) { return 8; }\n")
     assert kernel.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), (bare,))
