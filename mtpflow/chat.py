@@ -254,7 +254,7 @@ def open_history() -> Callable[[], None]:
         import readline
     except ImportError:  # e.g. Windows without pyreadline
         return lambda: None
-    from mtpflow.host import cache_dir
+    from mtpflow.machine import cache_dir
 
     path = cache_dir() / "chat_history"
     try:

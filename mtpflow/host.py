@@ -1,7 +1,5 @@
 """The tuning profile: one versioned JSON file per host that holds every cost measurement (``load_profile``,
-``update_profile``). Where mtpflow keeps what it measures and what the machine is (``cache_dir``,
-``measurement_path``, ``cpu_name``, ``host_facts``) are ``mtpflow.machine``'s, a leaf the native kernel's build
-reads too; they are re-exported here.
+``update_profile``), keyed by what ``mtpflow.machine`` says this machine is.
 
 It imports nothing from mtpflow but ``mtpflow.errors`` and ``mtpflow.machine``.
 
@@ -27,9 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from mtpflow.errors import UserError
-from mtpflow.machine import (  # noqa: F401 (re-exported: the profile's callers take them from here)
-    FLAGS, cache_dir, cpu_flags, cpu_name, host_facts, measurement_path, torch_threads,
-)
+from mtpflow.machine import cache_dir, cpu_name, host_facts, torch_threads
 
 PROFILE_VERSION = 1
 PROFILE_ENV = "MTPFLOW_PROFILE"

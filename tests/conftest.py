@@ -20,7 +20,7 @@ def temporary_cache(tmp_path_factory):
     """Native builds, traces, chat history and any default-location profile of the whole session,
     subprocesses included, go to a temporary folder, never the user's cache. Only converted models are shared
     (``models/`` links to the user's cache): they are inputs, and converting the default model takes a minute."""
-    from mtpflow.host import cache_dir
+    from mtpflow.machine import cache_dir
 
     user_models = cache_dir() / "models"
     root = tmp_path_factory.mktemp("mtpflow-cache")

@@ -47,7 +47,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from mtpflow.host import cache_dir
+from mtpflow.machine import cache_dir
 from mtpflow.tools.peers import spec_counters, spec_delta  # the counters as mtpflow.bench peers=[vllm] reads them
 
 ROOT = Path(__file__).resolve().parents[2]

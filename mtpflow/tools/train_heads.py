@@ -441,7 +441,7 @@ def data_folder(cfg: DictConfig, model_id: str, int8: bool = False) -> tuple[Pat
     """(shard folder, data settings): ``data.folder`` if set, else one folder per model (float or ``int8``) and data
     settings under the cache, so a rerun with the same settings resumes and reuses the text."""
     from mtpflow.tools.head_data import settings_key
-    from mtpflow.host import cache_dir
+    from mtpflow.machine import cache_dir
 
     settings = OmegaConf.to_container(cfg.data, resolve=True)
     settings.pop("folder", None)
@@ -498,7 +498,7 @@ def run(cfg: DictConfig, loaded=None) -> Path:
     Raises ``Paused`` when ``time_limit_minutes`` passed first (its state saved: the same call continues)."""
     from mtpflow import backends
     from mtpflow.backends import ExecutionSpec
-    from mtpflow.host import cache_dir
+    from mtpflow.machine import cache_dir
     from mtpflow.model import load_configured
     from mtpflow.request import encode_prompt
     from mtpflow.tools.head_data import data_seconds, generate_data, generated_tokens, load_shards

@@ -133,7 +133,7 @@ def _add_optional_columns(conn: Connection) -> None:
 
 
 def default_db_path() -> Path:
-    from mtpflow.host import cache_dir
+    from mtpflow.machine import cache_dir
 
     return cache_dir() / "traces.db"
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import save_tiny_model, write_profile
-from mtpflow import cost_model, host
+from mtpflow import cost_model, host, machine
 from mtpflow.backends.hf import HFBackend
 from mtpflow.errors import UserError
 
@@ -72,10 +72,10 @@ def test_the_suite_runs_on_the_fixed_profile(tiny, fixed_profile, monkeypatch):
 
 
 def test_host_facts_and_where_the_profile_lives(monkeypatch, tmp_path, default_location):
-    facts = host.host_facts()
-    assert facts["cpu"] == host.cpu_name() and facts["threads"] == torch.get_num_threads()
-    assert facts["torch"] == torch.__version__ and set(facts["flags"]) <= set(host.FLAGS)
-    assert default_location.parent == host.cache_dir() / "profiles"
+    facts = machine.host_facts()
+    assert facts["cpu"] == machine.cpu_name() and facts["threads"] == torch.get_num_threads()
+    assert facts["torch"] == torch.__version__ and set(facts["flags"]) <= set(machine.FLAGS)
+    assert default_location.parent == machine.cache_dir() / "profiles"
     assert f"-x{torch.get_num_threads()}-torch" in default_location.name
     monkeypatch.setattr(host, "cpu_name", lambda: "Another CPU")  # another CPU: another file
     assert host.profile_path() != default_location
@@ -92,7 +92,7 @@ def test_a_missing_entry_is_measured_once_with_a_notice(tiny, own_profile, monke
     assert source == "measured" and costs == {0: 0.001, 1: pytest.approx(0.0011), 4: pytest.approx(0.0014)}
     assert capsys.readouterr().err.splitlines() == [host.TUNING_NOTICE]
     data = json.loads(own_profile.read_text())
-    assert data["version"] == host.PROFILE_VERSION and data["host"] == host.host_facts()
+    assert data["version"] == host.PROFILE_VERSION and data["host"] == machine.host_facts()
     key = cost_model.cost_key(HFBackend(tiny.model), tiny.model_id, "cpu", False)
     assert list(data["entries"]) == [key] and data["entries"][key]["verify"]["64"]["4"] == pytest.approx(0.0014)
     first_hash = host.profile_hash()
@@ -163,10 +163,10 @@ def test_a_named_damaged_or_foreign_profile_is_one_line_and_nothing_is_measured(
 
 
 def test_a_named_profile_of_other_threads_is_foreign(tiny, own_profile):
-    write_profile(own_profile, {}, host={"cpu": host.cpu_name(), "threads": torch.get_num_threads() + 1})
+    write_profile(own_profile, {}, host={"cpu": machine.cpu_name(), "threads": torch.get_num_threads() + 1})
     with pytest.raises(UserError, match="threads"):
         host.load_profile()
-    write_profile(own_profile, {}, host={"cpu": host.cpu_name(), "threads": torch.get_num_threads()})
+    write_profile(own_profile, {}, host={"cpu": machine.cpu_name(), "threads": torch.get_num_threads()})
     assert host.load_profile()["entries"] == {}
 
 
@@ -183,7 +183,7 @@ def test_a_damaged_or_foreign_profile_at_the_default_location_is_measured_again(
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "measuring again" in err[0] and err[1] == host.TUNING_NOTICE
     data = json.loads(default_location.read_text())  # replaced by this host's profile
-    assert data["host"]["cpu"] == host.cpu_name() and "fallback" not in data
+    assert data["host"]["cpu"] == machine.cpu_name() and "fallback" not in data
 
 
 @pytest.fixture(scope="module")
@@ -206,7 +206,7 @@ def test_tune_writes_what_runs_read(tiny_folder, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"wrote {path}" in out and "K=16" in out and "q=17" in out
     data = json.loads(path.read_text())
-    assert data["version"] == 1 and data["host"]["cpu"] == host.cpu_name()
+    assert data["version"] == 1 and data["host"]["cpu"] == machine.cpu_name()
     for key, entry in data["entries"].items():
         assert str(tiny_folder) in key
         assert sorted(entry["verify"], key=int) == ["32", "256"]
