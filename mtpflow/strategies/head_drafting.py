@@ -17,7 +17,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mtpflow.strategies.head_modules import Eagle3Drafter, EagleDrafter, MedusaHeads
+from mtpflow.strategies.head_modules import (
+    Eagle3Drafter, EagleDrafter, MedusaHeads, apply_rotary, rms_norm, rotary_freqs,
+)
 
 
 class RotaryTable:
@@ -28,9 +30,8 @@ class RotaryTable:
     STEP = 256
 
     def __init__(self, head_dim: int, device: torch.device, theta: float = 10000.0):
-        half = head_dim // 2
-        self.freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
-        self.cos = self.sin = torch.empty(0, half, device=device)
+        self.freqs = rotary_freqs(head_dim, device, theta)
+        self.cos = self.sin = torch.empty(0, head_dim // 2, device=device)
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``head_modules.rotate`` of x [T, heads, head_dim] at positions [T]."""
@@ -39,15 +40,7 @@ class RotaryTable:
             start = self.cos.shape[0]
             angles = torch.arange(start, start + self.STEP, device=self.freqs.device).float()[:, None] * self.freqs
             self.cos, self.sin = torch.cat([self.cos, angles.cos()]), torch.cat([self.sin, angles.sin()])
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
-    """``head_modules.RMSNorm`` over the rows of ``x``."""
-    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return apply_rotary(x, self.cos[positions][:, None], self.sin[positions][:, None])
 
 
 class DraftVocabulary:
