@@ -33,14 +33,14 @@ class RotaryTable:
         self.freqs = rotary_freqs(head_dim, device, theta)
         self.cos = self.sin = torch.empty(0, head_dim // 2, device=device)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``head_modules.rotate`` of x [T, heads, head_dim] at positions [T]."""
-        need = int(positions.max()) + 1
-        while self.cos.shape[0] < need:
+    def at(self, positions: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim / 2] at positions [T] (none above ``last``): what ``apply_rotary`` takes to do
+        ``head_modules.rotate`` of [T, heads, head_dim] rows; one lookup serves a level's queries and keys."""
+        while self.cos.shape[0] <= last:
             start = self.cos.shape[0]
             angles = torch.arange(start, start + self.STEP, device=self.freqs.device).float()[:, None] * self.freqs
             self.cos, self.sin = torch.cat([self.cos, angles.cos()]), torch.cat([self.sin, angles.sin()])
-        return apply_rotary(x, self.cos[positions][:, None], self.sin[positions][:, None])
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 class DraftVocabulary:
@@ -117,13 +117,14 @@ class EagleDraft:
         self.tree_keys = self.tree_values = None  # [expanded nodes, heads, head_dim] of this step's tree
 
     # ----- the layer --------------------------------------------------------------------------------------------
-    def _project(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor):
-        """``EagleDrafter.project`` over rows: (x [T, hidden], q, k, v [T, heads, head_dim])."""
+    def _project(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, last: int):
+        """``EagleDrafter.project`` over rows at ``positions`` [T] (the largest: ``last``): (x [T, hidden], q, k, v
+        [T, heads, head_dim])."""
         x = self.fc(torch.cat([features, embeddings], -1))
         q, k, v = self.qkv(rms_norm(*self.norm_in, x)).split(self.hidden, -1)
         shape = (x.shape[0], self.heads, self.head_dim)
-        return x, self.rope.rotate(q.reshape(shape), positions), self.rope.rotate(k.reshape(shape), positions), \
-            v.reshape(shape)
+        cos, sin = self.rope.at(positions, last)
+        return x, apply_rotary(q.reshape(shape), cos, sin), apply_rotary(k.reshape(shape), cos, sin), v.reshape(shape)
 
     def _finish(self, x, q, keys, values, mask) -> torch.Tensor:
         """``EagleDrafter.finish`` for queries [F, heads, head_dim] over shared keys/values [L, heads, head_dim],
@@ -154,7 +155,7 @@ class EagleDraft:
         if self.fuse is not None:
             feats = self.fuse(feats)
         x, q, key, value = self._project(feats, embed(tokens[keep_from + 1: committed + 1].to(self.device)).float(),
-                                         torch.arange(keep_from, committed, device=self.device))
+                                         torch.arange(keep_from, committed, device=self.device), committed - 1)
         self.keys = key if self.keys is None else torch.cat([self.keys, key])[-self.window:]
         self.values = value if self.values is None else torch.cat([self.values, value])[-self.window:]
         self.last_x, self.last_q = x[-1:], q[-1:]
@@ -174,7 +175,8 @@ class EagleDraft:
         Each query sees the newest ``window - depth`` committed keys, its ancestors' keys and its own, as in
         training (``head_modules.unroll``). Returns (outputs [F, hidden], logits [F, draft_vocab])."""
         f = parent_out.shape[0]
-        x, q, key, value = self._project(parent_out, embeddings, torch.full((f,), position, device=self.device))
+        x, q, key, value = self._project(parent_out, embeddings, torch.full((f,), position, device=self.device),
+                                          position)
         before = 0 if self.tree_keys is None else self.tree_keys.shape[0]
         self.tree_keys = key if self.tree_keys is None else torch.cat([self.tree_keys, key])
         self.tree_values = value if self.tree_values is None else torch.cat([self.tree_values, value])
