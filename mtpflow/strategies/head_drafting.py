@@ -52,7 +52,6 @@ class DraftVocabulary:
         embeddings of ``draft_ids`` [draft_vocab, hidden] (a tree node's token is always a draft token: looked up
         here rather than through the model's embedding, which the int8 model dequantizes on each lookup)."""
         self.draft_ids = draft_ids.long().cpu()  # [draft_vocab] target token id of each draft token
-        self.size = int(draft_ids.numel())
         self.logits = product(rows)
         self.embeddings = embeddings.detach().float()
 
@@ -70,6 +69,10 @@ class MedusaDraft:
         self.num_heads, self.hidden = len(blocks), int(blocks[0].linear.weight.shape[1])
         self.heads = product(torch.cat([b.linear.weight for b in blocks]), torch.cat([b.linear.bias for b in blocks]))
         self.vocab = vocab
+
+    def fresh(self) -> "MedusaDraft":
+        """This drafter itself: it holds no per-sequence state, so every sequence shares it."""
+        return self
 
     def logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
         """The hidden state [hidden] that produced the root -> logits [depth, draft_vocab] of tokens root + 1 ..."""
