@@ -17,7 +17,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mtpflow.strategies.head_modules import Eagle3Drafter, EagleDrafter, MedusaHeads
+from mtpflow.strategies.head_modules import (
+    Eagle3Drafter, EagleDrafter, MedusaHeads, apply_rotary, rms_norm, rotary_freqs,
+)
 
 
 class RotaryTable:
@@ -28,26 +30,17 @@ class RotaryTable:
     STEP = 256
 
     def __init__(self, head_dim: int, device: torch.device, theta: float = 10000.0):
-        half = head_dim // 2
-        self.freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
-        self.cos = self.sin = torch.empty(0, half, device=device)
+        self.freqs = rotary_freqs(head_dim, device, theta)
+        self.cos = self.sin = torch.empty(0, head_dim // 2, device=device)
 
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``head_modules.rotate`` of x [T, heads, head_dim] at positions [T]."""
-        need = int(positions.max()) + 1
-        while self.cos.shape[0] < need:
+    def at(self, positions: torch.Tensor, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, head_dim / 2] at positions [T] (none above ``last``): what ``apply_rotary`` takes to do
+        ``head_modules.rotate`` of [T, heads, head_dim] rows; one lookup serves a level's queries and keys."""
+        while self.cos.shape[0] <= last:
             start = self.cos.shape[0]
             angles = torch.arange(start, start + self.STEP, device=self.freqs.device).float()[:, None] * self.freqs
             self.cos, self.sin = torch.cat([self.cos, angles.cos()]), torch.cat([self.sin, angles.sin()])
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
-
-
-def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
-    """``head_modules.RMSNorm`` over the rows of ``x``."""
-    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return self.cos[positions][:, None], self.sin[positions][:, None]
 
 
 class DraftVocabulary:
@@ -59,7 +52,6 @@ class DraftVocabulary:
         embeddings of ``draft_ids`` [draft_vocab, hidden] (a tree node's token is always a draft token: looked up
         here rather than through the model's embedding, which the int8 model dequantizes on each lookup)."""
         self.draft_ids = draft_ids.long().cpu()  # [draft_vocab] target token id of each draft token
-        self.size = int(draft_ids.numel())
         self.logits = product(rows)
         self.embeddings = embeddings.detach().float()
 
@@ -77,6 +69,10 @@ class MedusaDraft:
         self.num_heads, self.hidden = len(blocks), int(blocks[0].linear.weight.shape[1])
         self.heads = product(torch.cat([b.linear.weight for b in blocks]), torch.cat([b.linear.bias for b in blocks]))
         self.vocab = vocab
+
+    def fresh(self) -> "MedusaDraft":
+        """This drafter itself: it holds no per-sequence state, so every sequence shares it."""
+        return self
 
     def logits(self, hidden: torch.Tensor, depth: int) -> torch.Tensor:
         """The hidden state [hidden] that produced the root -> logits [depth, draft_vocab] of tokens root + 1 ..."""
@@ -124,13 +120,14 @@ class EagleDraft:
         self.tree_keys = self.tree_values = None  # [expanded nodes, heads, head_dim] of this step's tree
 
     # ----- the layer --------------------------------------------------------------------------------------------
-    def _project(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor):
-        """``EagleDrafter.project`` over rows: (x [T, hidden], q, k, v [T, heads, head_dim])."""
+    def _project(self, features: torch.Tensor, embeddings: torch.Tensor, positions: torch.Tensor, last: int):
+        """``EagleDrafter.project`` over rows at ``positions`` [T] (the largest: ``last``): (x [T, hidden], q, k, v
+        [T, heads, head_dim])."""
         x = self.fc(torch.cat([features, embeddings], -1))
         q, k, v = self.qkv(rms_norm(*self.norm_in, x)).split(self.hidden, -1)
         shape = (x.shape[0], self.heads, self.head_dim)
-        return x, self.rope.rotate(q.reshape(shape), positions), self.rope.rotate(k.reshape(shape), positions), \
-            v.reshape(shape)
+        cos, sin = self.rope.at(positions, last)
+        return x, apply_rotary(q.reshape(shape), cos, sin), apply_rotary(k.reshape(shape), cos, sin), v.reshape(shape)
 
     def _finish(self, x, q, keys, values, mask) -> torch.Tensor:
         """``EagleDrafter.finish`` for queries [F, heads, head_dim] over shared keys/values [L, heads, head_dim],
@@ -161,7 +158,7 @@ class EagleDraft:
         if self.fuse is not None:
             feats = self.fuse(feats)
         x, q, key, value = self._project(feats, embed(tokens[keep_from + 1: committed + 1].to(self.device)).float(),
-                                         torch.arange(keep_from, committed, device=self.device))
+                                         torch.arange(keep_from, committed, device=self.device), committed - 1)
         self.keys = key if self.keys is None else torch.cat([self.keys, key])[-self.window:]
         self.values = value if self.values is None else torch.cat([self.values, value])[-self.window:]
         self.last_x, self.last_q = x[-1:], q[-1:]
@@ -181,7 +178,8 @@ class EagleDraft:
         Each query sees the newest ``window - depth`` committed keys, its ancestors' keys and its own, as in
         training (``head_modules.unroll``). Returns (outputs [F, hidden], logits [F, draft_vocab])."""
         f = parent_out.shape[0]
-        x, q, key, value = self._project(parent_out, embeddings, torch.full((f,), position, device=self.device))
+        x, q, key, value = self._project(parent_out, embeddings, torch.full((f,), position, device=self.device),
+                                          position)
         before = 0 if self.tree_keys is None else self.tree_keys.shape[0]
         self.tree_keys = key if self.tree_keys is None else torch.cat([self.tree_keys, key])
         self.tree_values = value if self.tree_values is None else torch.cat([self.tree_values, value])

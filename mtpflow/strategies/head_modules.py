@@ -56,6 +56,11 @@ class MedusaHeads(nn.Module):
         return torch.stack([block(hidden) for block in self.blocks])
 
 
+def rms_norm(weight: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
+    """RMS norm of the rows of ``x`` scaled by ``weight`` (``RMSNorm``, and the drafting runner's norms)."""
+    return weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden: int, eps: float = 1e-6):
         super().__init__()
@@ -63,17 +68,26 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return rms_norm(self.weight, self.eps, x)
+
+
+def rotary_freqs(head_dim: int, device=None, theta: float = 10000.0) -> torch.Tensor:
+    """[head_dim / 2] the rotary frequencies of ``rotate``."""
+    half = head_dim // 2
+    return theta ** (-torch.arange(half, dtype=torch.float32, device=device) / half)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., head_dim] rotated by angles whose cos / sin [..., head_dim / 2] broadcast against its halves."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding of x [..., T, heads, head_dim] at positions [..., T]."""
-    half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, dtype=torch.float32, device=x.device) / half)
-    angles = positions.float()[..., None] * freqs  # [..., T, half]
-    cos, sin = angles.cos()[..., None, :], angles.sin()[..., None, :]
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).to(x.dtype)
+    angles = positions.float()[..., None] * rotary_freqs(x.shape[-1], x.device, theta)  # [..., T, half]
+    return apply_rotary(x, angles.cos()[..., None, :], angles.sin()[..., None, :]).to(x.dtype)
 
 
 class EagleDrafter(nn.Module):

@@ -65,7 +65,6 @@ class PreparedHeads:
                 raise UserError(f"strategy.propose.vocab_size: the draft vocabulary of {folder} is not stored most "
                                 "frequent first (heads trained before it was): retrain them to use fewer tokens")
             draft_ids = draft_ids[:vocab_size]  # the most frequent target choices
-        self.config = config
         self.width = int(model.config.hidden_size) * (len(config["taps"]) if kind == "eagle3" else 1)
 
         def product(weight, bias=None):
@@ -74,12 +73,11 @@ class PreparedHeads:
         with torch.no_grad():
             embeddings = model.get_input_embeddings()(draft_ids.to(backend.device)).float()
         self.vocab = DraftVocabulary(head_rows(model, draft_ids), draft_ids, product, embeddings)
-        # Medusa's drafter is stateless; an EAGLE one is copied per sequence (``drafter``)
         self.shared = draft_runner(module, self.vocab, product, backend.device)
 
     def drafter(self):
-        """This sequence's drafter: Medusa's is stateless and shared, an EAGLE one holds its own cache."""
-        return self.shared if isinstance(self.shared, MedusaDraft) else self.shared.fresh()
+        """This sequence's drafter (``fresh``: Medusa's is stateless and shared, an EAGLE one holds its own cache)."""
+        return self.shared.fresh()
 
 
 def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_nodes: int):

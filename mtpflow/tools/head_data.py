@@ -56,10 +56,15 @@ def load_prompts(path: str | None = None) -> list[str]:
 SHINGLE = 8
 
 
+def words(text: str) -> list[str]:
+    """The lower-cased words of ``text`` (runs of letters and digits)."""
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
 def shingles(text: str, n: int = SHINGLE) -> set[str]:
-    """The lower-cased word n-grams of ``text`` (letters and digits only)."""
-    words = re.findall(r"[a-z0-9]+", text.lower())
-    return {" ".join(words[i:i + n]) for i in range(len(words) - n + 1)} or ({" ".join(words)} if words else set())
+    """The lower-cased word n-grams of ``text`` (``words``)."""
+    seq = words(text)
+    return {" ".join(seq[i:i + n]) for i in range(len(seq) - n + 1)} or ({" ".join(seq)} if seq else set())
 
 
 def benchmark_overlap(prompts: list[str]) -> list[str]:

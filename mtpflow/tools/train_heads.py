@@ -74,7 +74,8 @@ def pick_draft_vocab(records: list[dict], size: int, vocab: int) -> torch.Tensor
     may use fewer (``strategy.propose.vocab_size``)."""
     counts = torch.zeros(vocab, dtype=torch.long)
     for r in records:
-        counts += torch.bincount(r["greedy"][r["prompt_len"] - 1:].long().clamp(min=0), minlength=vocab)
+        # from the prompt's last input on, every position has a choice (no -1: ``sample_batch``)
+        counts += torch.bincount(r["greedy"][r["prompt_len"] - 1:].long(), minlength=vocab)
     order = torch.argsort(counts, descending=True, stable=True)
     return order if size <= 0 or size >= vocab else order[:size]
 

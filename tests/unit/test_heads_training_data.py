@@ -1,7 +1,7 @@
 """The heads' training text never comes from the benchmarks: the shipped training prompts share no word 8-gram with
-the bench's 32 prompts nor with Spec-Bench's questions (checked against a fingerprint of them,
-``tests/fixtures/specbench_fingerprint.txt.gz``), and a user's prompt file that overlaps the bench's prompts is one
-line."""
+the bench's 32 prompts, and none is a Spec-Bench question or carries one of its fingerprinted 8-grams (a one-in-16
+sample, ``tests/fixtures/specbench_fingerprint.txt.gz``: a copied passage of 30 words or more almost surely shows);
+and a user's prompt file that overlaps the bench's prompts is one line."""
 from __future__ import annotations
 
 import gzip
