@@ -39,7 +39,7 @@ from mtpflow.backends.hf import HFBackend, own_taps
 from mtpflow.backends.native import kernel, openmp, products
 from mtpflow.backends.native.certified_head import CertifiedHead, applies as certified_applies, softcap
 from mtpflow.backends.native.head_products import HeadProduct
-from mtpflow.backends.native.description import describe, not_described
+from mtpflow.backends.native.description import describe, fused_bias, not_described
 from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
                                           verify_rows)
 from mtpflow.types import Verification
@@ -282,15 +282,6 @@ class NativeCPUBackend(Backend):
         return HeadProduct(weight, bias, int8, self.lib)
 
 
-def _fused_bias(parts) -> torch.Tensor | None:
-    """One bias over ``parts``' outputs (zeros where a part has none), or None where none has one."""
-    if all(p.bias is None for p in parts):
-        return None
-    with torch.no_grad():
-        return torch.cat([p.bias.detach().float() if p.bias is not None else torch.zeros(p.out_features)
-                          for p in parts]).contiguous()
-
-
 class _RowSpec:
     """What ``mtpflow_llama_rows`` is given for one model: its description's dimensions and constants, the weights'
     pointer arrays, this backend's copies (fused biases, ``1 + w`` norm scales: made again when their parameters
@@ -349,10 +340,10 @@ class _RowSpec:
                     "post_attn": [layer.post_attention for layer in layers],
                     "post_mlp": [layer.post_mlp for layer in layers], "qn": [layer.q_norm for layer in layers],
                     "kn": [layer.k_norm for layer in layers],
-                    "bqkv": [_fused_bias(layer.qkv) for layer in layers],
-                    "bo": [None if layer.o.bias is None else layer.o.bias.detach().float() for layer in layers],
-                    "bgu": [_fused_bias(layer.gate_up) for layer in layers],
-                    "bd": [None if layer.down.bias is None else layer.down.bias.detach().float() for layer in layers]}
+                    "bqkv": [fused_bias(layer.qkv) for layer in layers],
+                    "bo": [fused_bias((layer.o,)) for layer in layers],
+                    "bgu": [fused_bias(layer.gate_up) for layer in layers],
+                    "bd": [fused_bias((layer.down,)) for layer in layers]}
             members = {"ln1": kernel.pointers(held["ln1"]), "ln2": kernel.pointers(held["ln2"]),
                        **{k: optional(v) for k, v in held.items() if k not in ("ln1", "ln2")},
                        "norm_w": desc.norm.data_ptr()}
