@@ -149,7 +149,6 @@ class NativeCPUBackend(Backend):
         self.lib = kernel.library()
         self.description = describe(model)
         layers = self.description.layers
-        self.layers = list(model.model.layers[: model.config.num_hidden_layers])
         self.qkv = [_Fused(list(layer.qkv)) for layer in layers]
         self.gate_up = [_Fused(list(layer.gate_up)) for layer in layers]
         self.certified = bool(certified_head)
