@@ -126,15 +126,3 @@ def tree_allowed(parents: torch.Tensor) -> torch.Tensor:
             allowed[row] |= allowed[p + 1]
     return allowed
 
-
-def tree_attention_mask(parents: torch.Tensor, cached_len: int, dtype=torch.float32) -> torch.Tensor:
-    """[1, 1, 1 + num_nodes, cached_len + 1 + num_nodes] additive mask for the root plus the draft nodes.
-
-    Every row sees the cached prefix, the root and its own ancestors (itself included); 0 where allowed,
-    the dtype's minimum where blocked.
-    """
-    allowed = tree_allowed(parents)
-    n = allowed.shape[0]
-    mask = torch.zeros(n, cached_len + n, dtype=dtype)
-    mask[:, cached_len:] = torch.where(allowed, 0.0, torch.finfo(dtype).min).to(dtype)
-    return mask[None, None]

@@ -11,7 +11,7 @@ import time
 import torch
 
 from mtpflow import forward as lean_forward
-from mtpflow.backends.base import Backend, tree_allowed, tree_attention_mask  # noqa: F401 (the masks, re-exported)
+from mtpflow.backends.base import Backend, tree_allowed  # noqa: F401 (re-exported: cuda_graph, the tests)
 from mtpflow.kv_cache import BatchCache
 from mtpflow.types import Verification
 

@@ -29,7 +29,7 @@ from mtpflow.backends.hf import tree_allowed
 from mtpflow.errors import UserError
 from mtpflow.backends.native import kernel, products, reference as native_reference
 from mtpflow.backends.native.reference import LlamaLayerWeights
-from mtpflow.backends.native.rows import VerifyRows
+from mtpflow.backends.native.rows import VerifyRows, optional
 
 CC = kernel.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the native kernels")
@@ -276,15 +276,15 @@ class RowsInputs:
                 copies["s" + name] = _pointers([s for _, s in pairs])
         ints = [torch.tensor(v, dtype=torch.int32) for v in (self.slot, self.wpos, self.prefix, self.first,
                                                              self.count, self.positions)]
-        optional = {name: _optional([getattr(layer, name) for layer in self.layers])
+        layer_parts = {name: optional([getattr(layer, name) for layer in self.layers])
                     for name in ("post_attn", "post_mlp", "qn", "kn", "bqkv", "bo", "bgu", "bd", "cos", "sin")}
         windows = torch.tensor([layer.window for layer in self.layers], dtype=torch.int32)
         tapped = {t: torch.empty_like(self.h) for t in self.taps}
-        taps = _optional([tapped.get(i) for i in range(c.L)])
+        taps = optional([tapped.get(i) for i in range(c.L)])
         code = kernel.llama_rows(
             lib, h=h.data_ptr(), normed=normed.data_ptr(), taps=taps, M=len(self.slot), L=c.L, H=c.H, nh=c.nh,
             nkv=c.nkv, d=c.d, I=c.I, **dict(zip(("ln1", "wqkv", "wo", "ln2", "wgu", "wd"), weights)), **copies,
-            **optional, window=windows.data_ptr(), rot=self.rot, act=self.act, softcap=self.softcap,
+            **layer_parts, window=windows.data_ptr(), rot=self.rot, act=self.act, softcap=self.softcap,
             norm_w=self.norm.data_ptr(), eps=self.eps, kc=_pointers(keys), vc=_pointers(values), cap=self.capacity,
             **{name: t.data_ptr() for name, t in zip(("slot", "wpos", "prefix", "first", "count", "pos"), ints)},
             allowed=self.allowed.data_ptr(), qmax=self.allowed.shape[1], scale=self.scale, threads=threads)
@@ -301,14 +301,6 @@ class RowsInputs:
             self.h.double(), layers, self.norm, self.eps, self.keys, self.values, self.slot, self.wpos, self.prefix,
             self.first, self.count, self.positions, self.allowed, self.scale, c.nh, c.nkv, c.d, self.act,
             self.softcap, self.taps)
-
-
-def _optional(tensors):
-    """An optional per-layer struct member: None where no layer has the part, else L pointers (NULL where one
-    lacks it)."""
-    if all(t is None for t in tensors):
-        return None
-    return (ctypes.c_void_p * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
 
 
 # float32 kernel against the float64 reference: each product's float32 sum of at most a few hundred terms is off by

@@ -8,20 +8,17 @@ from __future__ import annotations
 import torch
 
 from helpers import OracleTreeProposer, hf_greedy, make_pipeline
-from mtpflow.backends.hf import tree_attention_mask
+from mtpflow.backends.hf import tree_allowed
 from mtpflow.types import Draft
 
 
-def test_tree_mask_each_node_sees_prefix_and_ancestors():
+def test_tree_mask_each_node_sees_the_root_and_its_ancestors():
     parents = torch.tensor([-1, -1, 0, 0, 2, 1])
-    mask = tree_attention_mask(parents, cached_len=3)[0, 0]
-    allowed = mask == 0
-    assert mask.shape == (7, 3 + 7)
-    assert allowed[:, :3].all()  # the cached prefix
+    allowed = tree_allowed(parents)
+    assert allowed.shape == (7, 7)
     ancestors = {0: [], 1: [0], 2: [0], 3: [0, 1], 4: [0, 1], 5: [0, 1, 3], 6: [0, 2]}  # rows: 0 = root
     for row in range(7):
-        expected = {3 + a for a in ancestors[row]} | {3 + row}
-        assert {int(c) for c in allowed[row].nonzero().flatten() if c >= 3} == expected, row
+        assert {int(c) for c in allowed[row].nonzero().flatten()} == set(ancestors[row]) | {row}, row
 
 
 def test_tree_logits_equal_chain_logits(tiny):

@@ -28,21 +28,19 @@ certified head belong to this object.
 """
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
 from mtpflow import forward as lean_forward
 from mtpflow.backends.base import Backend
-from mtpflow.backends.hf import HFBackend, own_taps
+from mtpflow.backends.hf import HFBackend
 from mtpflow.backends.native import kernel, openmp, products
 from mtpflow.backends.native.certified_head import CertifiedHead, applies as certified_applies, softcap
 from mtpflow.backends.native.head_products import HeadProduct
-from mtpflow.backends.native.description import describe, not_described
-from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
-                                          verify_rows)
-from mtpflow.types import Verification
+from mtpflow.backends.native.description import describe, fused_bias, not_described
+from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, optional, prefill_through,
+                                          tap_outputs, verify_through)
+
 
 def not_applicable(model, dtypes=(torch.float32,)) -> str | None:
     """Why this backend cannot run ``model`` (one line), or None where it can. ``dtypes``: the weight dtypes
@@ -149,7 +147,6 @@ class NativeCPUBackend(Backend):
         self.lib = kernel.library()
         self.description = describe(model)
         layers = self.description.layers
-        self.layers = list(model.model.layers[: model.config.num_hidden_layers])
         self.qkv = [_Fused(list(layer.qkv)) for layer in layers]
         self.gate_up = [_Fused(list(layer.gate_up)) for layer in layers]
         self.certified = bool(certified_head)
@@ -239,19 +236,9 @@ class NativeCPUBackend(Backend):
         reason = self.declines(targets)
         if reason is not None:
             return self.fall_back(reason, self.torch_forward.verify(targets, roots, drafts, root_positions))
-        t0 = time.perf_counter()
-        described = verify_rows(targets, roots, drafts, root_positions)
-        taps = tuple(sorted({t for target in targets for t in target.taps}))
-        logits, hidden = self._rows.run_groups(targets[0].pool, described, taps=taps,
-                                               argmax_only=all(t.argmax_only for t in targets))
-        seconds = time.perf_counter() - t0
-        results = []
-        for target, n, start in zip(targets, described.counts, described.starts):
-            target.kv.length += n
-            target.forwards += 1
-            h = own_taps(hidden[start:start + n], taps, target.taps) if target.taps else None
-            results.append(Verification(logits=logits[start:start + n].float(), hidden=h, forward_seconds=seconds))
-        return results
+        argmax_only = all(t.argmax_only for t in targets)
+        run = lambda pool, rows, taps: self._rows.run_groups(pool, rows, taps, argmax_only=argmax_only)  # noqa: E731
+        return verify_through(run, targets, roots, drafts, root_positions)
 
     @torch.inference_mode()
     def self_draft(self, target, root, position, steps, layers=None):
@@ -267,11 +254,9 @@ class NativeCPUBackend(Backend):
         if not rows.ready():
             self.fall_back("self-draft: a weight was replaced")
             return None
-        one = torch.ones(1, 1, dtype=torch.uint8)
         length, token, drafted = target.cache_len, root, []
         for i in range(steps):
-            step = VerifyRows(torch.tensor([token]), torch.tensor([position + i]), one, [target.kv.slot],
-                              [length + i], [length + i], [0], [1], [0], [1])
+            step = one_row(token, position + i, target.kv.slot, length + i)
             logits, _ = rows.run_groups(target.pool, step, argmax_only=True, int8=True)
             token = int(logits[-1].argmax())
             drafted.append(token)
@@ -280,15 +265,6 @@ class NativeCPUBackend(Backend):
     def head_product(self, weight, bias=None, int8=False):
         """A draft head's linear through the native products (``head_products.HeadProduct``)."""
         return HeadProduct(weight, bias, int8, self.lib)
-
-
-def _fused_bias(parts) -> torch.Tensor | None:
-    """One bias over ``parts``' outputs (zeros where a part has none), or None where none has one."""
-    if all(p.bias is None for p in parts):
-        return None
-    with torch.no_grad():
-        return torch.cat([p.bias.detach().float() if p.bias is not None else torch.zeros(p.out_features)
-                          for p in parts]).contiguous()
 
 
 class _RowSpec:
@@ -349,10 +325,10 @@ class _RowSpec:
                     "post_attn": [layer.post_attention for layer in layers],
                     "post_mlp": [layer.post_mlp for layer in layers], "qn": [layer.q_norm for layer in layers],
                     "kn": [layer.k_norm for layer in layers],
-                    "bqkv": [_fused_bias(layer.qkv) for layer in layers],
-                    "bo": [None if layer.o.bias is None else layer.o.bias.detach().float() for layer in layers],
-                    "bgu": [_fused_bias(layer.gate_up) for layer in layers],
-                    "bd": [None if layer.down.bias is None else layer.down.bias.detach().float() for layer in layers]}
+                    "bqkv": [fused_bias(layer.qkv) for layer in layers],
+                    "bo": [fused_bias((layer.o,)) for layer in layers],
+                    "bgu": [fused_bias(layer.gate_up) for layer in layers],
+                    "bd": [fused_bias((layer.down,)) for layer in layers]}
             members = {"ln1": kernel.pointers(held["ln1"]), "ln2": kernel.pointers(held["ln2"]),
                        **{k: optional(v) for k, v in held.items() if k not in ("ln1", "ln2")},
                        "norm_w": desc.norm.data_ptr()}

@@ -149,6 +149,16 @@ class RopeTable:
         return int(self.rows(torch.zeros(1, dtype=torch.long))[0].shape[-1])
 
 
+def fused_bias(linears) -> torch.Tensor | None:
+    """One float32 bias over ``linears``' outputs, in their order (zeros where one has none): the bias of their fused
+    product (or of one product alone, a copy), as both decoder stacks read it; None where none has a bias."""
+    if all(m.bias is None for m in linears):
+        return None
+    with torch.no_grad():
+        return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+                          for m in linears]).contiguous()
+
+
 def not_described(model) -> str | None:
     """Why ``model`` has no description (one line naming the feature), or None where ``describe`` gives one."""
     try:

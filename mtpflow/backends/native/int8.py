@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import time
 
 import torch
 
 from mtpflow.backends.base import Backend
-from mtpflow.backends.hf import own_taps
 from mtpflow.backends.native import kernel, openmp
 from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
-from mtpflow.backends.native.rows import (VerifyRows, call_members, optional, prefill_through, tap_outputs,
-                                          verify_rows)
+from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, optional, prefill_through,
+                                          tap_outputs, verify_through)
 from mtpflow.errors import UserError
-from mtpflow.types import Verification
 
 # the weights an int8 model is made from: a model too large for the memory in float32 loads in bfloat16
 # (model.dtype=bfloat16) and is quantized layer by layer
@@ -164,18 +161,7 @@ class NativeInt8Backend(Backend):
 
     @torch.inference_mode()
     def verify(self, targets, roots, drafts, root_positions):
-        t0 = time.perf_counter()
-        rows = verify_rows(targets, roots, drafts, root_positions)
-        taps = tuple(sorted({t for target in targets for t in target.taps}))
-        logits, hidden = self.run(targets[0].pool, rows, taps)
-        seconds = time.perf_counter() - t0
-        results = []
-        for target, n, first in zip(targets, rows.counts, rows.starts):
-            target.kv.length += n
-            target.forwards += 1
-            h = own_taps(hidden[first:first + n], taps, target.taps) if hidden is not None and target.taps else None
-            results.append(Verification(logits=logits[first:first + n], hidden=h, forward_seconds=seconds))
-        return results
+        return verify_through(self.run, targets, roots, drafts, root_positions)
 
     drafts_layers = True
 
@@ -185,12 +171,9 @@ class NativeInt8Backend(Backend):
         the head: ``draft_model``'s layer-skip draft), one row per token over the target's slot (the entries go
         after the committed ones, where the next verify overwrites them). Over all layers there is no cheaper copy:
         the draft is the target's own greedy, always accepted, at one forward per token."""
-        one = torch.ones(1, 1, dtype=torch.uint8)
         length, token, drafted = target.cache_len, root, []
         for i in range(steps):
-            step = VerifyRows(torch.tensor([token]), torch.tensor([position + i]), one, [target.kv.slot],
-                              [length + i], [length + i], [0], [1], [0], [1])
-            logits, _ = self.run(target.pool, step, layers=layers)
+            logits, _ = self.run(target.pool, one_row(token, position + i, target.kv.slot, length + i), layers=layers)
             token = int(logits[0].argmax())
             drafted.append(token)
         return drafted

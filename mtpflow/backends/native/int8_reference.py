@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mtpflow.backends.native.description import GELU_TANH, SILU, describe
+from mtpflow.backends.native.description import GELU_TANH, SILU, describe, fused_bias
 from mtpflow.backends.native.products import pack_q8, quantize_int8, unpack_q8
 
 F32 = torch.float32
@@ -155,14 +155,6 @@ def _packed_bytes(*weights: torch.Tensor) -> int:
     return -(-n // Q8_NB) * Q8_NB * -(-k // Q8_STEP) * Q8_STEP
 
 
-def _bias(*linears) -> torch.Tensor | None:
-    """One float32 bias over ``linears``' outputs (zeros where one has none), or None where none has one."""
-    if all(m.bias is None for m in linears):
-        return None
-    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
-                      for m in linears]).contiguous()
-
-
 def _scale(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.detach().float().clone()
 
@@ -197,8 +189,8 @@ def quantize_model(model, release=None) -> Int8Weights:
             qkv, o, gate_up, down = (into_buffer(*group) for group in parts(layer))
             layers.append(Int8Layer(
                 _scale(layer.ln1), qkv, o, _scale(layer.ln2), gate_up, down, _scale(layer.post_attention),
-                _scale(layer.post_mlp), _scale(layer.q_norm), _scale(layer.k_norm), _bias(*layer.qkv),
-                _bias(layer.o), _bias(*layer.gate_up), _bias(layer.down), layer.window, layer.rope))
+                _scale(layer.post_mlp), _scale(layer.q_norm), _scale(layer.k_norm), fused_bias(layer.qkv),
+                fused_bias((layer.o,)), fused_bias(layer.gate_up), fused_bias((layer.down,)), layer.window, layer.rope))
             if release is not None:
                 release(block)
         head = into_buffer(head_weight)

@@ -4,11 +4,14 @@ backends (float32: ``cpu``, int8: ``int8``) describe their verifies with ``verif
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 
 import torch
 
 from mtpflow.backends.base import tree_allowed
+from mtpflow.backends.hf import own_taps
+from mtpflow.types import Verification
 
 # prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
 PREFILL_ROWS = 256
@@ -60,6 +63,32 @@ def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
         rows.starts.append(start)
         start += n
     return rows
+
+
+def verify_through(run, targets, roots, drafts, root_positions) -> list[Verification]:
+    """A backend's ``verify`` through its decoder stack: every target's root and draft (``verify_rows``) in ONE
+    ``run(pool, rows, taps)`` call that returns (logits [rows, vocab] float32, the taps [rows, ...] or None), each
+    target's entries then counted as written. One ``Verification`` per target: its rows' logits and the taps it
+    asked for."""
+    t0 = time.perf_counter()
+    rows = verify_rows(targets, roots, drafts, root_positions)
+    taps = tuple(sorted({t for target in targets for t in target.taps}))
+    logits, hidden = run(targets[0].pool, rows, taps)
+    seconds = time.perf_counter() - t0
+    results = []
+    for target, n, first in zip(targets, rows.counts, rows.starts):
+        target.kv.length += n
+        target.forwards += 1
+        h = own_taps(hidden[first:first + n], taps, target.taps) if hidden is not None and target.taps else None
+        results.append(Verification(logits=logits[first:first + n], hidden=h, forward_seconds=seconds))
+    return results
+
+
+def one_row(token: int, position: int, slot: int, at: int) -> VerifyRows:
+    """One row (a self-draft step): ``token`` at rope ``position``, its entry written at ``at`` of pool slot ``slot``,
+    seeing the slot's first ``at`` entries and itself."""
+    return VerifyRows(torch.tensor([token]), torch.tensor([position]), torch.ones(1, 1, dtype=torch.uint8), [slot],
+                      [at], [at], [0], [1], [0], [1])
 
 
 def prefill_rows(target, tokens: torch.Tensor, start: int, chunk: int = PREFILL_ROWS):

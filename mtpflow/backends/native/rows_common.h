@@ -164,6 +164,9 @@ static inline void heads_in(float *q, float *k, int nh, int nkv, int d, const fl
     float scale;                                                                                    \
     int threads;
 
+/* layer l's entry of an optional per-layer part (NULL where no layer has it) */
+#define PART(arr, l) ((arr) ? (arr)[l] : NULL)
+
 /* a product's output added to the residual stream h (one row), through the layer's norm of it where it has one
  * (Gemma 2/3's post-attention and post-MLP norms) */
 static inline void add_residual(float *hr, float *out, const float *post, float eps, int H) {

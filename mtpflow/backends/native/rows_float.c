@@ -134,13 +134,10 @@ static void product(const float *x, const float *w, const float *panel, const si
     else mtpflow_small_gemm(x, w, b, y, M, N, K, threads);
 }
 
-/* h += out, the output normed first where the layer norms it (post: its scale; NULL: none) */
+/* every row's add_residual (rows_common.h) */
 static void residual(float *h, float *out, const float *post, float eps, int M, int H, int threads) {
-    if (post) {
 #pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
-        for (int r = 0; r < M; r++) rmsnorm(out + (size_t)r * H, post, eps, out + (size_t)r * H, H);
-    }
-    for (size_t i = 0; i < (size_t)M * H; i++) h[i] = h[i] + out[i];
+    for (int r = 0; r < M; r++) add_residual(h + (size_t)r * H, out + (size_t)r * H, post, eps, H);
 }
 
 /* The arguments of mtpflow_llama_rows, one struct so that a caller built against another layout is refused rather
@@ -170,8 +167,6 @@ struct mtpflow_rows_args {
 int mtpflow_rows_abi(void) { return MTPFLOW_ROWS_ABI; }
 
 int mtpflow_rows_args_size(void) { return (int)sizeof(struct mtpflow_rows_args); }
-
-#define PART(arr, l) ((arr) ? (arr)[l] : NULL)
 
 /* 0, -1 when out of memory, MTPFLOW_ROWS_BAD_ABI (nothing read past version and size, nothing written) when the
  * struct is of another version or size */

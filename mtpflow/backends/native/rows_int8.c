@@ -150,8 +150,6 @@ static void spin_wait(struct spin_barrier *b, int nt) {
     }
 }
 
-#define PART(arr, l) ((arr) ? (arr)[l] : NULL)
-
 /* y[r][n] += b[n] for rows [r0, r1) (a product's bias; b NULL: none) */
 static inline void add_bias(float *y, const float *b, int r0, int r1, int N) {
     if (!b) return;
