@@ -1,10 +1,10 @@
 """A draft head's linears through the native products (``Backend.head_product``): Medusa's residual blocks, the
 EAGLE layers' projections and the draft-vocabulary LM head.
 
-A drafting step multiplies one to a few rows by weights of a few MB. torch's float32 path for such rows reads the
-weight far slower than the native kernels (one to three times the native row kernel's time in the measurements of
-docs/heads.md#drafting-cost), and on the int8 model the draft may read its weights in int8 too: a draft is only ever
-checked by the target, so its precision trades acceptance for speed and never the output. Two precisions:
+A drafting step multiplies one to a few rows by weights of a few MB, which is what the native row and panel kernels
+are for (they read each weight once for all rows). On the int8 model the draft may read its weights in int8 too: a
+draft is only ever checked by the target, so its precision trades acceptance for speed and never the output.
+Two precisions:
 - float32: the row kernel (``products.linear``), the panel kernel from ``kernel.panel_min_rows()`` rows (over a
   panel copy made here once);
 - int8: the int8 model's product (``products.gemm_w8a8``: per-output int8 weights, each input row quantized to int8,
