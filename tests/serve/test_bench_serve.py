@@ -16,10 +16,8 @@ from server_process import save_tiny_model
     (["strategies=[]"], "strategies"),
     (["concurency=[1]"], "unknown option"),
 ])
-def test_options_are_checked_first(args, message, tmp_path, capsys):
-    assert main(["mode=serve", f"out={tmp_path}", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+def test_options_are_checked_first(args, message, bench_refuses):
+    bench_refuses("serve", args, message)
 
 
 def test_percentile():

@@ -20,10 +20,8 @@ from server_process import save_tiny_model
     (["cancel_share=2"], "cancel_share"),
     (["client=2"], "unknown option"),
 ])
-def test_options_are_checked_first(args, message, tmp_path, capsys):
-    assert main(["mode=soak", f"out={tmp_path}", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+def test_options_are_checked_first(args, message, bench_refuses):
+    bench_refuses("soak", args, message)
 
 
 def test_minutes_scale_below_30():
