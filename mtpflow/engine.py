@@ -24,7 +24,6 @@ import atexit
 import collections
 import itertools
 import logging
-import math
 import threading
 import time
 import weakref
@@ -36,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
 from mtpflow.errors import (ConfigError, DeadlineExceeded, EngineClosed, QueueFull, QueueTimeout, UserError, check_int,
-                            check_range, debug_enabled, describe, internal_cause, traceback_text)
+                            check_seconds, debug_enabled, describe, internal_cause, traceback_text)
 from mtpflow.backends import ExecutionSpec, create as create_backend
 from mtpflow.kernels.dispatch import use_impl
 from mtpflow.loop import Sequence, StepCallback, decode_step
@@ -84,12 +83,7 @@ class Admission:
 
 def _seconds(name: str, value) -> float | None:
     """A positive, finite number of seconds, or None (no bound)."""
-    if value is None:
-        return None
-    seconds = float(check_range(name, value, 0, None, low_inclusive=False))
-    if not math.isfinite(seconds):
-        raise ConfigError(f"{name} must be a finite number of seconds or null, got {value!r}")
-    return seconds
+    return None if value is None else check_seconds(name, value)
 
 
 class RequestHandle:
