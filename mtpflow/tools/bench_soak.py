@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtpflow.errors import ConfigError, UserError, check_int, check_range, run_command, writable_folder
+from mtpflow.errors import ConfigError, UserError, check_int, check_range, describe, run_command, writable_folder
 from mtpflow.tools.bench_serve import Server, parse_options, percentile, save_figure, write_manifest
 
 DEFAULTS = {
@@ -132,7 +132,7 @@ def one_request(client, model: str, prompt: str, strategy: str, stream: bool, ca
     except openai.RateLimitError:
         out.result = "refused"
     except Exception as exc:  # noqa: BLE001 - every other error is a failed request, counted and reported
-        out.result, out.error = "failed", (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:300]
+        out.result, out.error = "failed", describe(exc)
     out.end = time.perf_counter() - t0
     return out
 
