@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from mtpflow.errors import check_int, run_command
-from mtpflow.tools.bench_serve import Server, parse_options, percentile
+from mtpflow.tools.bench_serve import Server, parse_options, percentile, server_overrides
 
 DEFAULTS = {"clients": 32, "max_waiting": 4, "max_tokens": 64, "model": None, "overrides": [],
             "client_timeout": 600, "startup_timeout": 600}
@@ -52,8 +52,8 @@ def measure(argv: list[str]) -> dict:
     import openai
 
     tmp = Path(tempfile.mkdtemp(prefix="mtpflow-overload-"))
-    overrides = ["trace=off", f"engine.max_waiting={check_int('max_waiting', opts.max_waiting, 0)}",
-                 *(["model.name=" + str(opts.model)] if opts.model else []), *[str(o) for o in opts.overrides]]
+    waiting = check_int("max_waiting", opts.max_waiting, 0)
+    overrides = server_overrides(opts, "trace=off", f"engine.max_waiting={waiting}")
     server = Server(overrides, tmp / "server.log", float(opts.startup_timeout))
     url = f"http://{server.host}:{server.port}"
     try:
