@@ -27,15 +27,16 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 def requests_total(url: str) -> dict[str, float]:
-    """``mtpflow_server_requests_total`` by outcome, from ``/metrics``."""
+    """``mtpflow_server_requests_total`` by outcome (all endpoints), from ``/metrics``."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     counts: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("mtpflow_server_requests_total{"):
-            labels, value = line.rsplit(" ", 1)
-            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-            counts[outcome] = counts.get(outcome, 0) + float(value)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "mtpflow_server_requests_total":
+                outcome = sample.labels["outcome"]
+                counts[outcome] = counts.get(outcome, 0) + sample.value
     return counts
 
 
