@@ -1,6 +1,5 @@
-"""Fixtures for the server tests: an in-process server on a fake engine (fast protocol tests) and the check that a
-server benchmark refuses a bad option in one line. The helpers for real server processes are in
-``server_process.py`` (a plain module: several conftest.py files share one name)."""
+"""Fixtures for the server tests: an in-process server on a fake engine (fast protocol tests). The helpers for
+real server processes are in ``server_process.py`` (a plain module: several conftest.py files share one name)."""
 from __future__ import annotations
 
 import pytest
@@ -30,17 +29,3 @@ def fake_server():
     yield make
     for srv in started:
         srv.__exit__(None, None, None)
-
-
-@pytest.fixture
-def bench_refuses(tmp_path, capsys):
-    """``check(mode, args, message)``: ``python -m mtpflow.bench mode=MODE out=TMP *args`` exits 2 with one line
-    naming ``message`` and no traceback, before anything starts."""
-    from mtpflow.tools.bench import main
-
-    def check(mode: str, args: list[str], message: str) -> None:
-        assert main([f"mode={mode}", f"out={tmp_path}", *args]) == 2
-        err = capsys.readouterr().err
-        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-
-    return check
