@@ -24,7 +24,6 @@ import atexit
 import collections
 import itertools
 import logging
-import math
 import threading
 import time
 import weakref
@@ -36,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from mtpflow.config import available_strategies, check_batch_k, compose, to_container, validate
 from mtpflow.errors import (ConfigError, DeadlineExceeded, EngineClosed, QueueFull, QueueTimeout, UserError, check_int,
-                            check_range, debug_enabled, describe, internal_cause, traceback_text)
+                            check_seconds, debug_enabled, describe, internal_cause, traceback_text)
 from mtpflow.backends import ExecutionSpec, create as create_backend
 from mtpflow.kernels.dispatch import use_impl
 from mtpflow.loop import Sequence, StepCallback, decode_step
@@ -70,7 +69,7 @@ class Admission:
         top-level ``max_waiting`` still works: when set (not null) it is the bound; set to another value than
         ``engine.max_waiting`` as well, it is a ConfigError (which one was meant is unknowable)."""
         node = cfg.get("engine") or {}
-        waiting = node.get("max_waiting", 64)
+        waiting = node.get("max_waiting", cls.max_waiting)
         legacy = cfg.get("max_waiting")
         if legacy is not None:
             if node.get("max_waiting") not in (None, cls.max_waiting, legacy):
@@ -84,12 +83,7 @@ class Admission:
 
 def _seconds(name: str, value) -> float | None:
     """A positive, finite number of seconds, or None (no bound)."""
-    if value is None:
-        return None
-    seconds = float(check_range(name, value, 0, None, low_inclusive=False))
-    if not math.isfinite(seconds):
-        raise ConfigError(f"{name} must be a finite number of seconds or null, got {value!r}")
-    return seconds
+    return None if value is None else check_seconds(name, value)
 
 
 class RequestHandle:
@@ -290,7 +284,6 @@ class Engine:
         self.cfg = cfg
         self.max_batch_size = check_int("max_batch_size", cfg.get("max_batch_size", 8), 1, 256)
         self.admission = Admission.from_config(cfg)
-        self.max_waiting = self.admission.max_waiting
         self.prefill_tokens_per_step = check_int("prefill_tokens_per_step", cfg.get("prefill_tokens_per_step", 512), 1)
         # prompt prefixes' KV reused across requests (mtpflow.prefix_cache), in RunContext.shared; 0 turns it off
         self.prefix_cache_bytes = check_int("prefix_cache_mb", cfg.get("prefix_cache_mb", 256), 0) * 2**20
@@ -436,6 +429,11 @@ class Engine:
     @property
     def num_waiting(self) -> int:
         return len(self._queue)
+
+    @property
+    def max_waiting(self) -> int:
+        """``engine.max_waiting`` (``admission``), kept readable under its old name."""
+        return self.admission.max_waiting
 
     def healthy(self) -> bool:
         """False when the decoding thread ended without saying so (it clears itself when it goes idle or shuts

@@ -4,6 +4,7 @@ An internal error in a request (a stage's bug: anything that is not a ``UserErro
 with one line naming the stage and the exception; its traceback goes to the ``mtpflow`` logger and the run's
 trace. ``MTPFLOW_DEBUG=1`` re-raises the original exception instead (``debug_enabled``).
 """
+import math
 import os
 import sys
 import traceback
@@ -53,6 +54,14 @@ def check_range(name: str, value, low=None, high=None, low_inclusive=True, high_
         hi = "" if high is None else f"{high}" + ("]" if high_inclusive else ")")
         raise ConfigError(f"{name} must be in {lo or '(-inf'}, {hi or 'inf)'}, got {value!r}")
     return value
+
+
+def check_seconds(name: str, value) -> float:
+    """A positive, finite number of seconds (a timeout, a bound on a wait): ConfigError otherwise."""
+    seconds = float(check_range(name, value, 0, None, low_inclusive=False))
+    if not math.isfinite(seconds):
+        raise ConfigError(f"{name} must be a finite number of seconds, got {value!r}")
+    return seconds
 
 
 def check_int(name: str, value, low=None, high=None) -> int:

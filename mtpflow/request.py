@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from mtpflow.errors import ConfigError, UserError, check_int, check_k, check_range
+from mtpflow.errors import ConfigError, UserError, check_int, check_k, check_range, check_seconds
 from mtpflow.types import RunContext, SamplingParams, hidden_taps
 
 
@@ -221,11 +221,7 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
         raise ContextLengthExceeded(
             f"the model's context is {loaded.max_context} tokens and the prompt takes {ids.numel()}: at most "
             f"{loaded.max_context - ids.numel()} new tokens fit, {max_new_tokens} were asked for")
-    timeout = request.timeout
-    if timeout is not None:
-        timeout = float(check_range("timeout", timeout, 0, None, low_inclusive=False))
-        if not math.isfinite(timeout):
-            raise ConfigError(f"timeout must be a finite number of seconds, got {request.timeout!r}")
+    timeout = None if request.timeout is None else check_seconds("timeout", request.timeout)
 
     settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
                 "seed": seed, "chat": chat, "stop": list(stop), "system_prompt": system_prompt}

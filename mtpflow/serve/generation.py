@@ -30,14 +30,6 @@ def sse(obj) -> str:
 RETRY_AFTER_SECONDS = "1"  # Retry-After of a refusal (a full queue, a wait past engine.max_wait_seconds)
 
 
-def refusal(exc: BaseException) -> ApiError:
-    """429 for a request the engine refused (``QueueFull``: the queue is at ``engine.max_waiting``;
-    ``QueueTimeout``: it waited past ``engine.max_wait_seconds``), with ``Retry-After``."""
-    code = "queue_timeout" if isinstance(exc, QueueTimeout) else "queue_full"
-    return ApiError(429, _line(exc) or "the waiting queue is full; retry later", type="rate_limit_error", code=code,
-                    headers={"Retry-After": RETRY_AFTER_SECONDS})
-
-
 def outcome(exc: BaseException) -> str:
     """The ``outcome`` label of ``mtpflow_server_requests_total`` for a request that ended with ``exc``."""
     for kind, label in ((QueueTimeout, "queue_timeout"), (QueueFull, "queue_full"), (DeadlineExceeded, "timeout"),
@@ -57,8 +49,9 @@ def failure(exc: BaseException) -> ApiError:
     503 when the engine shut down under it, 500 when a stage failed mid-decode (the engine reports it as
     "decoding failed: ..."), 400 for the rest of the caller's mistakes."""
     message = _line(exc)
-    if isinstance(exc, QueueFull):
-        return refusal(exc)
+    if isinstance(exc, QueueFull):  # the queue is at engine.max_waiting, or (QueueTimeout) a wait past its bound
+        return ApiError(429, message, type="rate_limit_error", code=outcome(exc),  # queue_full, queue_timeout
+                        headers={"Retry-After": RETRY_AFTER_SECONDS})
     if isinstance(exc, DeadlineExceeded):
         return ApiError(408, message, type="timeout_error", param="timeout", code="request_timeout",
                         headers={"x-should-retry": "false"})
@@ -89,7 +82,7 @@ async def submit(engine, request, metrics, endpoint: str):
         raise ApiError(400, _line(exc), param="max_tokens", code="context_length_exceeded") from None
     except UserError as exc:
         metrics.requests.labels(endpoint, "rejected").inc()
-        raise ApiError(400, _line(exc) or "bad request") from None
+        raise ApiError(400, _line(exc)) from None
 
 
 class Generation:
@@ -231,4 +224,4 @@ async def _wait_disconnect(request) -> None:
             return
 
 
-__all__ = ["Generation", "submit", "sse", "failure", "refusal", "outcome"]
+__all__ = ["Generation", "submit", "sse", "failure", "outcome"]

@@ -249,6 +249,12 @@ def main(argv: list[str]) -> int:
     return run_command("mtpflow.bench", bench_serve, argv)
 
 
+def server_overrides(opts, *settings: str) -> list[str]:
+    """What a server bench passes to ``python -m mtpflow.serve``: its own ``settings``, then ``model.name=`` from
+    the ``model`` option (when given) and the user's ``overrides`` (last, so they win)."""
+    return [*settings, *(["model.name=" + str(opts.model)] if opts.model else []), *[str(o) for o in opts.overrides]]
+
+
 def parse_options(argv: list[str], defaults: dict, what: str):
     """``key=value`` arguments over ``defaults``; a malformed or unknown one is a one-line UserError."""
     try:
@@ -278,8 +284,7 @@ def bench_serve(argv: list[str]) -> int:
         from tqdm import tqdm
 
         tmp = Path(tempfile.mkdtemp(prefix="mtpflow-bench-serve-"))
-        overrides = [f"trace.db={tmp / 'traces.db'}", f"max_batch_size={max(opts.concurrency)}",
-                     *(["model.name=" + str(opts.model)] if opts.model else []), *[str(o) for o in opts.overrides]]
+        overrides = server_overrides(opts, f"trace.db={tmp / 'traces.db'}", f"max_batch_size={max(opts.concurrency)}")
         print(f"starting python -m mtpflow.serve {' '.join(overrides)} (log {tmp / 'server.log'})", file=sys.stderr)
         server = Server(overrides, tmp / "server.log", float(opts.startup_timeout))
         conn = http.client.HTTPConnection(server.host, server.port, timeout=60)

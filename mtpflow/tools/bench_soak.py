@@ -33,8 +33,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mtpflow.errors import ConfigError, UserError, check_int, check_range, run_command, writable_folder
-from mtpflow.tools.bench_serve import Server, parse_options, percentile, save_figure, write_manifest
+from mtpflow.errors import ConfigError, UserError, check_int, check_range, describe, run_command, writable_folder
+from mtpflow.tools.bench_serve import (Server, parse_options, percentile, save_figure, server_overrides,
+                                       write_manifest)
 
 DEFAULTS = {
     "mode": "soak",
@@ -132,7 +133,7 @@ def one_request(client, model: str, prompt: str, strategy: str, stream: bool, ca
     except openai.RateLimitError:
         out.result = "refused"
     except Exception as exc:  # noqa: BLE001 - every other error is a failed request, counted and reported
-        out.result, out.error = "failed", (f"{type(exc).__name__}: {exc}".splitlines() or ["?"])[0][:300]
+        out.result, out.error = "failed", describe(exc)
     out.end = time.perf_counter() - t0
     return out
 
@@ -386,8 +387,7 @@ def bench_soak(argv: list[str]) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="mtpflow-bench-soak-"))
     db = tmp / "traces.db"
-    overrides = [f"trace.db={db}", f"max_batch_size={int(opts.clients)}",
-                 *(["model.name=" + str(opts.model)] if opts.model else []), *[str(o) for o in opts.overrides]]
+    overrides = server_overrides(opts, f"trace.db={db}", f"max_batch_size={int(opts.clients)}")
     print(f"starting python -m mtpflow.serve {' '.join(overrides)} (log {tmp / 'server.log'})", file=sys.stderr)
     server, done = Server(overrides, tmp / "server.log", float(opts.startup_timeout)), False
     try:

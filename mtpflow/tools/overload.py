@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from mtpflow.errors import check_int, run_command
-from mtpflow.tools.bench_serve import Server, parse_options, percentile
+from mtpflow.tools.bench_serve import Server, parse_options, percentile, server_overrides
 
 DEFAULTS = {"clients": 32, "max_waiting": 4, "max_tokens": 64, "model": None, "overrides": [],
             "client_timeout": 600, "startup_timeout": 600}
@@ -27,15 +27,16 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 def requests_total(url: str) -> dict[str, float]:
-    """``mtpflow_server_requests_total`` by outcome, from ``/metrics``."""
+    """``mtpflow_server_requests_total`` by outcome (all endpoints), from ``/metrics``."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     counts: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
-        if line.startswith("mtpflow_server_requests_total{"):
-            labels, value = line.rsplit(" ", 1)
-            outcome = labels.split('outcome="', 1)[1].split('"', 1)[0]
-            counts[outcome] = counts.get(outcome, 0) + float(value)
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name == "mtpflow_server_requests_total":
+                outcome = sample.labels["outcome"]
+                counts[outcome] = counts.get(outcome, 0) + sample.value
     return counts
 
 
@@ -52,8 +53,8 @@ def measure(argv: list[str]) -> dict:
     import openai
 
     tmp = Path(tempfile.mkdtemp(prefix="mtpflow-overload-"))
-    overrides = ["trace=off", f"engine.max_waiting={check_int('max_waiting', opts.max_waiting, 0)}",
-                 *(["model.name=" + str(opts.model)] if opts.model else []), *[str(o) for o in opts.overrides]]
+    waiting = check_int("max_waiting", opts.max_waiting, 0)
+    overrides = server_overrides(opts, "trace=off", f"engine.max_waiting={waiting}")
     server = Server(overrides, tmp / "server.log", float(opts.startup_timeout))
     url = f"http://{server.host}:{server.port}"
     try:

@@ -1,25 +1,33 @@
-"""``python -m mtpflow.bench mode=serve`` (``mtpflow.tools.bench_serve``): options checked before anything starts, and
-a small run against a real server process on the tiny model writes its table, CSV and PNG."""
+"""``python -m mtpflow.bench mode=serve`` (``mtpflow.tools.bench_serve``): options checked before anything starts (for
+``mode=soak`` too), and a small run against a real server process on the tiny model writes its table, CSV and PNG."""
 from __future__ import annotations
 
 import pandas as pd
 import pytest
 
+from mtpflow.tools.bench import main as bench_main
 from mtpflow.tools.bench_serve import main, percentile
 from server_process import save_tiny_model
 
 
-@pytest.mark.parametrize("args,message", [
-    (["concurrency=[0]"], "concurrency"),
-    (["requests=0"], "requests"),
-    (["strategies=[warp]"], "unknown strategy"),
-    (["strategies=[]"], "strategies"),
-    (["concurency=[1]"], "unknown option"),
+@pytest.mark.parametrize("mode,args,message", [
+    ("serve", ["concurrency=[0]"], "concurrency"),
+    ("serve", ["requests=0"], "requests"),
+    ("serve", ["strategies=[warp]"], "unknown strategy"),
+    ("serve", ["strategies=[]"], "strategies"),
+    ("serve", ["concurency=[1]"], "unknown option"),
+    ("soak", ["minutes=0"], "minutes"),
+    ("soak", ["clients=0"], "clients"),
+    ("soak", ["strategies=[warp]"], "unknown strategy"),
+    ("soak", ["cancel_share=2"], "cancel_share"),
+    ("soak", ["client=2"], "unknown option"),
 ])
-def test_options_are_checked_first(args, message, tmp_path, capsys):
-    assert main(["mode=serve", f"out={tmp_path}", *args]) == 2
+def test_options_are_checked_first(mode, args, message, tmp_path, capsys):
+    """Both server benches (``mode=soak`` parses its options with this module's ``parse_options``), through
+    ``python -m mtpflow.bench``'s own dispatch."""
+    assert bench_main([f"mode={mode}", f"out={tmp_path}", *args]) == 2
     err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_percentile():

@@ -1,6 +1,6 @@
-"""``python -m mtpflow.bench mode=soak`` (``mtpflow.tools.bench_soak``): options checked before anything starts; a
-run of a few seconds against a real server process on the tiny model writes its CSV, PNG and manifest and computes
-every verdict (the thresholds are the 30-minute run's business: this machine is shared and noisy)."""
+"""``python -m mtpflow.bench mode=soak`` (``mtpflow.tools.bench_soak``; its options are checked in test_bench_serve.py):
+a run of a few seconds against a real server process on the tiny model writes its CSV, PNG and manifest and
+computes every verdict (the thresholds are the 30-minute run's business: this machine is shared and noisy)."""
 from __future__ import annotations
 
 import json
@@ -11,19 +11,6 @@ import pytest
 
 from mtpflow.tools.bench_soak import main, minute_of, windows
 from server_process import save_tiny_model
-
-
-@pytest.mark.parametrize("args,message", [
-    (["minutes=0"], "minutes"),
-    (["clients=0"], "clients"),
-    (["strategies=[warp]"], "unknown strategy"),
-    (["cancel_share=2"], "cancel_share"),
-    (["client=2"], "unknown option"),
-])
-def test_options_are_checked_first(args, message, tmp_path, capsys):
-    assert main(["mode=soak", f"out={tmp_path}", *args]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_minutes_scale_below_30():
