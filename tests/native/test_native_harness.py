@@ -14,7 +14,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import platform
 import random
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -361,7 +363,7 @@ def test_llama_rows_match_the_reference(builds, build, case):
 
 # ----- the int8 model (mtpflow_gemm_w8a8, mtpflow_w8a8_rows): bit for bit its torch reference -------------------
 
-def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), (130, 100), (33, 257)), seed=0) -> int:
+def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 12, 13, 25), shapes=((1, 1), (5, 7), (65, 64), (130, 100), (33, 257)), seed=0) -> int:
     """The int8 product and a tiny int8 Llama's forward (``check_int8_forward``) through ``lib``, each equal to
     ``int8_reference`` bit for bit; returns the number of calls checked."""
     from helpers import make_tiny_model
@@ -423,7 +425,47 @@ def test_the_int8_model_matches_its_reference_bit_for_bit(builds, build):
     expected = {"generic": "plain C", "avx2": "AVX2", "avx512": "AVX2"}.get(build)  # skylake-avx512: no VNNI
     if expected is not None:
         assert kernel.q8_isa(lib) == expected
-    assert check_w8a8(lib) == 5 * 6 + 3
+    assert check_w8a8(lib) == 5 * 8 + 3
+
+
+AMX_FLAGS = ("amx_tile", "amx_int8")
+
+
+def test_the_amx_path_compiles_where_the_compiler_knows_it(tmp_path):
+    """The AMX tile path (w8a8.c) is compiled into a build for a CPU with AMX (Sapphire Rapids) by a compiler that
+    knows the instructions: its tile products are in the library. Compiling is all this can check on a CPU without
+    AMX; test_amx_products_are_the_vnni_products runs them where there is one."""
+    if CC is None:
+        pytest.skip("no C compiler")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AMX is an x86-64 extension")
+    out = tmp_path / "amx.so"
+    if not kernel.build(CC, out, ("-O2", "-march=sapphirerapids", "-fopenmp", "-shared", "-fPIC")):
+        pytest.skip(f"{CC} does not know -march=sapphirerapids")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to look for the tile instructions")
+    code = subprocess.run([objdump, "-d", str(out)], capture_output=True, text=True, timeout=120).stdout
+    assert "tdpbusd" in code and "tileloadd" in code and "ldtilecfg" in code
+
+
+@needs_cc
+def test_amx_products_are_the_vnni_products(builds):
+    """Where the CPU has AMX: the int8 products and a tiny int8 model's forward on the tiles equal the reference bit
+    for bit, as the VNNI path's do (both add the same exact integers)."""
+    missing = [flag for flag in AMX_FLAGS if flag not in kernel.cpu_flags()]
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo): the AMX path is compiled here, not run")
+    lib = _lib(builds, "native")
+    assert lib.mtpflow_q8_amx_built() == 1, "the native build on an AMX CPU has no AMX path (compiler too old?)"
+    try:
+        assert lib.mtpflow_q8_amx(1) == 1, "Linux did not grant the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        assert kernel.q8_isa(lib) == "AMX"
+        assert check_w8a8(lib, rows=(2, 5, 16, 17, 33)) == 5 * 5 + 3
+        assert lib.mtpflow_q8_amx(0) == 0 and kernel.q8_isa(lib) == "AVX-512 VNNI"
+        assert check_w8a8(lib, rows=(2, 17)) == 5 * 2 + 3
+    finally:
+        lib.mtpflow_q8_amx(1)
 
 
 # ----- every model family (tests/families.py) ----------------------------------------------------------------

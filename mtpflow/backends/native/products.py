@@ -23,7 +23,7 @@ from mtpflow.backends.native import kernel
 PANEL = 64  # output features per panel (gemm.c)
 F32, PANELS, Q8, W8A8 = 0, 1, 2, 3  # MTPFLOW_LINEAR_* in gemm.c
 Q8_STEP = 64  # Q8_STEP in native.h: the int8 model's weight rows are padded with zeros to a multiple of it
-Q8_NB = 4  # Q8_NB in native.h: weight rows per packed block
+Q8_PANEL = 32  # Q8_PANEL in native.h: output features per packed panel
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -45,20 +45,32 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
+def packed_q8_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape ``pack_q8`` gives int8 weights [n, k]: [panels, kp / 4, Q8_PANEL, 4]."""
+    kp = -(-k // Q8_STEP) * Q8_STEP
+    return -(-n // Q8_PANEL), kp // 4, Q8_PANEL, 4
+
+
 def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 weights [N, K] as the W8A8 kernel reads them: zero columns up to kp (a multiple of Q8_STEP), zero rows
-    up to a multiple of Q8_NB, each block of Q8_NB rows laid out [kp / Q8_STEP][Q8_NB][Q8_STEP] (so a block is one
-    sequential read). Returns [blocks, kp / Q8_STEP, Q8_NB, Q8_STEP]."""
+    """int8 weights [N, K] as the W8A8 kernel reads them (w8a8.c): zero columns up to kp (a multiple of Q8_STEP),
+    zero rows up to a multiple of Q8_PANEL, each panel of Q8_PANEL rows laid out [kp / 4][Q8_PANEL][4] (each
+    feature's four weights of a step side by side: one 32-bit lane per feature, a panel one sequential read).
+    Returns [panels, kp / 4, Q8_PANEL, 4]."""
     n, k = q.shape
-    kp, np_ = -(-k // Q8_STEP) * Q8_STEP, -(-n // Q8_NB) * Q8_NB
-    padded = torch.nn.functional.pad(q, (0, kp - k, 0, np_ - n))
-    return padded.view(np_ // Q8_NB, Q8_NB, kp // Q8_STEP, Q8_STEP).transpose(1, 2).contiguous()
+    panels, steps, width, four = packed_q8_shape(n, k)
+    padded = torch.nn.functional.pad(q, (0, steps * four - k, 0, panels * width - n))
+    return padded.view(panels, width, steps, four).transpose(1, 2).contiguous()
 
 
 def unpack_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The weights [n, k] that ``pack_q8`` packed."""
-    blocks, steps, nb, step = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * nb, steps * step)[:n, :k]
+    return packed_q8_rows(packed, torch.arange(n))[:, :k]
+
+
+def packed_q8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` [r] of a ``pack_q8`` weight, with their zero padding: [r, kp]."""
+    width = packed.shape[2]
+    return packed[ids // width, :, ids % width, :].reshape(ids.numel(), -1)
 
 
 def _run(lib: ctypes.CDLL | None, kind: int, x: torch.Tensor, n: int, bias: torch.Tensor | None = None,
