@@ -37,8 +37,8 @@ CC = kernel.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the native kernels")
 BUILDS = (*kernel.runnable_isas(), "native")  # "native": kernel.FLAGS, what library() builds
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33)
-# (outputs n, inputs k): n below, at and past the 4-row blocks and the 64-wide panels; k below, at and past the
+ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 16, 17, 25, 33)
+# (outputs n, inputs k): n below, at and past the 4-row blocks and the 32-wide panels; k below, at and past the
 # 8- and 16-float vectors, odd
 SHAPES = ((1, 1), (3, 5), (4, 8), (5, 17), (16, 16), (64, 64), (65, 33), (130, 100), (200, 257))
 
@@ -83,10 +83,10 @@ def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, case: str
 
 
 def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=(2, 7, 17, 33), seed=0) -> int:
-    """The float products (rows, panels) and the int8-weight product against their references, on every thread count for
-    ``threaded_rows`` and on the first for the other row counts (the threads split the weight rows or panels,
-    whatever the row count; on a busy 2-core host every 2-thread region can wait for a core); returns the number
-    of calls checked."""
+    """The float products (rows, panels) and the int8-weight products (rows, panels) against their references, on
+    every thread count for ``threaded_rows`` and on the first for the other row counts (the threads split the weight
+    rows or panels, whatever the row count; on a busy 2-core host every 2-thread region can wait for a core);
+    returns the number of calls checked."""
     generator = torch.Generator().manual_seed(seed)
     calls = 0
     for n, k in shapes:
@@ -94,6 +94,7 @@ def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=
         panels = products.pack_panels(w)
         assert torch.equal(native_reference.unpack_panels(panels, n), w)  # the panels hold the weight
         q, scale = products.quantize_int8(w)
+        qpanels = products.pack_q8_panels(q)
         deq = q.double() * scale.double()[:, None]
         for m in rows:
             x = torch.randn(m, k, generator=generator)
@@ -112,12 +113,15 @@ def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=
                                                      (products.PANELS, dict(panels=panels.data_ptr()), panel_exact,
                                                       bound),
                                                      (products.Q8, dict(q=q.data_ptr(), scale=scale.data_ptr()),
+                                                      exact_q, bound_q),
+                                                     (products.Q8_PANELS,
+                                                      dict(q=qpanels.data_ptr(), scale=scale.data_ptr()),
                                                       exact_q, bound_q)):
                         y = torch.empty(m, n)
                         assert kernel.call(lib, "linear", kind=kind, M=m, N=n, K=k, threads=t, x=x.data_ptr(),
                                            b=b_ptr, y=y.data_ptr(), **weight) == 0
                         _within(y, ref, limit, f"mtpflow_linear kind {kind} {case}")
-                    calls += 3
+                    calls += 4
     return calls
 
 
@@ -128,7 +132,7 @@ def test_products_match_their_references(builds, build):
     expected = {"avx512": 16, "avx2": 8, "generic": 8}.get(build)  # "native": whatever this CPU has
     if expected is not None:  # the build really took its vector width (__AVX512F__ or not)
         assert lib.mtpflow_vector_width() == expected
-    assert check_products(lib) == len(SHAPES) * (len(ROWS) + 4) * 2 * 3
+    assert check_products(lib) == len(SHAPES) * (len(ROWS) + 4) * 2 * 4
 
 
 # ----- mtpflow_llama_rows ------------------------------------------------------------------------------------
@@ -572,8 +576,8 @@ def test_a_build_of_another_abi_is_refused_with_one_line(tmp_path, monkeypatch):
     size = ctypes.sizeof(kernel.RowsArgs)
     abi = kernel.ENTRY_POINTS["rows"][2]
     foreign = _build_edited(tmp_path, "v999", f"#define MTPFLOW_ROWS_ABI {abi}\n", "#define MTPFLOW_ROWS_ABI 999\n")
-    grown = _build_edited(tmp_path, "grown", "    int threads;\n    /* int8 copies",
-                          "    int threads;\n    double extra;\n    /* int8 copies")
+    grown = _build_edited(tmp_path, "grown", "    MTPFLOW_DESCRIPTION_MEMBERS\n    /* int8 copies",
+                          "    MTPFLOW_DESCRIPTION_MEMBERS\n    double extra;\n    /* int8 copies")
     bare = tmp_path / "bare.c"
     bare.write_text("int mtpflow_vector_width(void) { return 8; }\n")
     assert kernel.build(CC, tmp_path / "bare.so", ("-O0", "-shared", "-fPIC"), (bare,))

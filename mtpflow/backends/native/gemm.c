@@ -5,10 +5,10 @@
  * input rows: blocks of 4 weight rows x up to 6 input rows keep 24 vector accumulators in registers while
  * the 4 weight rows stream past, and the next block's weight rows are prefetched while this one computes,
  * so memory and arithmetic overlap (mtpflow_small_gemm). As rows grow the arithmetic starts to show, and
- * from PANEL_MIN_ROWS rows mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 64 output
- * features x K (panel[k][0..63]), so each step of k loads 4 vectors of weights and broadcasts one input value
- * per row into 4 x 6 accumulators with no horizontal sums, while one sequential stream per panel is prefetched
- * 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
+ * from PANEL_MIN_ROWS rows mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 32 output
+ * features x K (panel[k][0..31]), so each step of k loads 2 vectors of weights (AVX-512) and broadcasts one input
+ * value per row into 2 x 12 accumulators with no horizontal sums, while one sequential stream per panel is
+ * prefetched 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
  * runtime: torch has loaded libgomp.so.1 before this library is opened).
  *
  * The caller starts the panels at PANEL_MIN_ROWS rows (read by kernel.panel_min_rows): 1 on AVX-512
@@ -192,69 +192,95 @@ HIDDEN void mtpflow_small_gemm_q8(const float *x, const signed char *wq, const f
     WEIGHT_BLOCKS(1)
 }
 
-/* ---- panel layout: panels[p][k][j] = w[p * PANEL + j][k] (zero past N), built by products.pack_panels */
-#define PANEL 64
-#define GROUP (NB * VW)            /* columns of a panel one pass accumulates: 64 (AVX-512) or 32 */
-#define PANEL_PREFETCH 1024        /* floats ahead in the panel's stream */
+/* ---- panel layout: panels[p][k][j] = w[p * PANEL + j][k] (zero past N), built by products.pack_panels; int8
+ * panels the same with int8 weights (products.pack_q8_panels: the certified head) */
+#define PANEL 32                   /* output features per panel: one panel is PANEL_NV vectors wide */
+#define PANEL_NV (PANEL / VW)      /* 2 (AVX-512) or 4 vectors */
+#define PANEL_PREFETCH 4096        /* bytes ahead in the panel's stream */
 
-static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel, const float *b,
-                                                              float *y, int N, int K, int n0, int m0, const int mb) {
+/* one panel (PANEL features, from n0) times mb rows from m0, the accumulators in registers over the whole of K. A
+ * panel 32 features wide by 12 rows (AVX-512: 24 accumulators) reads each weight once for up to 12 rows; the
+ * previous 64 by 6 read a panel twice for 7 to 12 rows, the second time from L2 (or, for a 1B model's 8192-column
+ * down projection, from L3): the default model's decoder products at 9 rows took 1.37 times 1 row that way, 1.05
+ * times here (measured: docs/bench/verify_cost_dec05.md). q8: int8 panels (32 bytes a step), widened to floats once per
+ * step for all the rows, then times scale[n]. */
+static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel,
+                                                              const signed char *qpanel, const float *scale,
+                                                              const float *b, float *y, int N, int K, int n0,
+                                                              int m0, const int mb, const int q8) {
     const float *xr[PANEL_MB];
-    for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
-    for (int g = 0; g < PANEL; g += GROUP) {
-        vec acc[PANEL_MB][NB];
-        for (int j = 0; j < mb; j++)
-            for (int v = 0; v < NB; v++) acc[j][v] = (vec){0};
-        for (int k = 0; k < K; k++) {
+    _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
+    vec acc[PANEL_MB][PANEL_NV];
+    _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) acc[j][v] = (vec){0};
+    for (int k = 0; k < K; k++) {
+        vec pv[PANEL_NV];
+        if (q8) {
+            const signed char *pk = qpanel + (size_t)k * PANEL;
+            if (k % 2 == 0) __builtin_prefetch(pk + PANEL_PREFETCH);
+            _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) pv[v] = loadq(pk + VW * v);
+        } else {
             const float *pk = panel + (size_t)k * PANEL;
-            if (g == 0)
-                for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(pk + PANEL_PREFETCH + c);
-            vec pv[NB];
-            for (int v = 0; v < NB; v++) pv[v] = loadv(pk + g + VW * v);
-            for (int j = 0; j < mb; j++) {
-                const float xs = xr[j][k];
-                for (int v = 0; v < NB; v++) acc[j][v] += pv[v] * xs;
-            }
+            _Pragma("GCC unroll 4") for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(pk + PANEL_PREFETCH / 4 + c);
+            _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) pv[v] = loadv(pk + VW * v);
         }
-        const int nv = N - n0 - g < GROUP ? N - n0 - g : GROUP;
-        for (int j = 0; j < mb && nv > 0; j++) {
-            float out[GROUP];
-            for (int v = 0; v < NB; v++) storev(out + VW * v, acc[j][v]);
-            float *yr = y + (size_t)(m0 + j) * N + n0 + g;
-            for (int i = 0; i < nv; i++) yr[i] = b ? out[i] + b[n0 + g + i] : out[i];
+        _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++) {
+            const float xs = xr[j][k];
+            _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) acc[j][v] += pv[v] * xs;
+        }
+    }
+    const int nv = N - n0 < PANEL ? N - n0 : PANEL;
+    _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++) {
+        float out[PANEL];
+        _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) storev(out + VW * v, acc[j][v]);
+        float *yr = y + (size_t)(m0 + j) * N + n0;
+        for (int i = 0; i < nv; i++) {
+            const float s = q8 ? out[i] * scale[n0 + i] : out[i];
+            yr[i] = b ? s + b[n0 + i] : s;
         }
     }
 }
 
-#if PANEL_MB == 6
-#define PANEL_CASES                                                             \
-    case 6: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 6); break;         \
-    case 5: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 5); break;         \
-    case 4: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 4); break;         \
-    case 3: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 3); break;
+#define PANEL_CALL(MB, Q8) panel_block(x, panel, qpanel, scale, b, y, N, K, p * PANEL, m0, MB, Q8)
+#define PANEL_CASE(MB, Q8) case MB: PANEL_CALL(MB, Q8); break;
+#if PANEL_MB == 12
+#define PANEL_CASES(Q8) PANEL_CASE(12, Q8) PANEL_CASE(11, Q8) PANEL_CASE(10, Q8) PANEL_CASE(9, Q8) \
+    PANEL_CASE(8, Q8) PANEL_CASE(7, Q8) PANEL_CASE(6, Q8) PANEL_CASE(5, Q8) PANEL_CASE(4, Q8) PANEL_CASE(3, Q8)
 #else
-#define PANEL_CASES                                                             \
-    case 3: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 3); break;
+#define PANEL_CASES(Q8) PANEL_CASE(3, Q8)
 #endif
 
-/* x: M x K, panels: ceil(N / 64) x K x 64, b: N or NULL, y: M x N */
 /* The threads split the (panel, row block) pairs in panel order, each thread a contiguous run: where the panels
- * split evenly between the threads this is a split of the panels; where they do not (576 outputs: 9 panels for 2
+ * split evenly between the threads this is a split of the panels; where they do not (a panel count odd for 2
  * threads) the panel at the seam is shared, so no thread idles for a panel's worth of rows (the second read of
  * that panel mostly from the shared L3). Each output comes from the same block either way: the same numbers. */
-HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
-                        int threads) {
-    const int np = (N + PANEL - 1) / PANEL, nb = (M + PANEL_MB - 1) / PANEL_MB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int u = 0; u < np * nb; u++) {
-        const int p = u / nb, m0 = (u % nb) * PANEL_MB;
-        const float *panel = panels + (size_t)p * K * PANEL;
-        switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
-            PANEL_CASES
-            case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
-            default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
-        }
+#define PANEL_LOOP(Q8)                                                                  \
+    const int np = (N + PANEL - 1) / PANEL, nb = (M + PANEL_MB - 1) / PANEL_MB;         \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
+    for (int u = 0; u < np * nb; u++) {                                                 \
+        const int p = u / nb, m0 = (u % nb) * PANEL_MB;                                 \
+        const float *panel = panels ? panels + (size_t)p * K * PANEL : NULL;            \
+        const signed char *qpanel = qpanels ? qpanels + (size_t)p * K * PANEL : NULL;   \
+        switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {                                \
+            PANEL_CASES(Q8)                                                             \
+            PANEL_CASE(2, Q8)                                                           \
+            default: PANEL_CALL(1, Q8); break;                                          \
+        }                                                                               \
     }
+
+/* x: M x K, panels: ceil(N / PANEL) x K x PANEL, b: N or NULL, y: M x N */
+HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
+                               int threads) {
+    const signed char *qpanels = NULL;
+    const float *scale = NULL;
+    PANEL_LOOP(0)
+}
+
+/* x: M x K float, qpanels: int8 panels ceil(N / PANEL) x K x PANEL, scale: N, b: N or NULL, y: M x N */
+HIDDEN void mtpflow_q8_panel_gemm(const float *x, const signed char *qpanels, const float *scale, const float *b,
+                                  float *y, int M, int N, int K, int threads) {
+    const float *panels = NULL;
+    PANEL_LOOP(1)
 }
 
 /* ---- the one entry point of the products: mtpflow_linear(struct mtpflow_linear_args) -----------------------
@@ -262,13 +288,15 @@ HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float 
  * - MTPFLOW_LINEAR_F32: float32 weight w [N][K] (+ bias b [N] or NULL), the row kernel;
  * - MTPFLOW_LINEAR_PANELS: the same product over its panel copy (panels, products.pack_panels);
  * - MTPFLOW_LINEAR_Q8: int8 weight q [N][K] with float scale [N] (+ b), float activations (the self-draft's copy);
+ * - MTPFLOW_LINEAR_Q8_PANELS: the same over int8 panels q (products.pack_q8_panels: the certified head);
  * - MTPFLOW_LINEAR_W8A8: the int8 model's product: packed int8 q (products.pack_q8, kp columns), scale [N], row
  *   sums wsum [N], each row of x quantized on its own.
  * Versioned as the decoder stacks' structs are: a caller sets version to MTPFLOW_LINEAR_ABI and size to the struct's
  * size as it built it; products.py mirrors it once (LinearArgs). Returns 0, -1 out of memory (W8A8's scratch),
  * MTPFLOW_ROWS_BAD_ABI for another struct, -3 for an unknown kind. */
 #define MTPFLOW_LINEAR_ABI 1
-enum { MTPFLOW_LINEAR_F32 = 0, MTPFLOW_LINEAR_PANELS = 1, MTPFLOW_LINEAR_Q8 = 2, MTPFLOW_LINEAR_W8A8 = 3 };
+enum { MTPFLOW_LINEAR_F32 = 0, MTPFLOW_LINEAR_PANELS = 1, MTPFLOW_LINEAR_Q8 = 2, MTPFLOW_LINEAR_W8A8 = 3,
+       MTPFLOW_LINEAR_Q8_PANELS = 4 };
 
 struct mtpflow_linear_args {
     int version;  /* MTPFLOW_LINEAR_ABI */
@@ -294,6 +322,9 @@ int mtpflow_linear(const struct mtpflow_linear_args *a) {
         case MTPFLOW_LINEAR_PANELS: mtpflow_panel_gemm(a->x, a->panels, a->b, a->y, a->M, a->N, a->K, a->threads); return 0;
         case MTPFLOW_LINEAR_Q8:
             mtpflow_small_gemm_q8(a->x, a->q, a->scale, a->b, a->y, a->M, a->N, a->K, a->threads);
+            return 0;
+        case MTPFLOW_LINEAR_Q8_PANELS:
+            mtpflow_q8_panel_gemm(a->x, a->q, a->scale, a->b, a->y, a->M, a->N, a->K, a->threads);
             return 0;
         case MTPFLOW_LINEAR_W8A8:
             return mtpflow_gemm_w8a8(a->x, a->q, a->scale, a->wsum, a->y, a->M, a->N, a->K, a->kp, a->threads);

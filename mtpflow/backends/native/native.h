@@ -15,7 +15,7 @@
 #if defined(__AVX512F__)
 #define VW 16     /* floats per vector */
 #define MB_MAX 6  /* input rows per block: 4 x 6 accumulators + 4 weight vectors + 1 input vector <= 32 registers */
-#define PANEL_MB 6
+#define PANEL_MB 12  /* panel kernel: 12 rows x 2 vectors (24 accumulators) + 2 weight vectors <= 32 registers */
 /* the panels from one row on AVX-512 builds: their sequential weight streams beat the 4 x 6 row blocks at every
  * row count measured, in the products alone (each layer's weights streamed from memory) and in whole verify
  * forwards (measured: docs/bench/code-figures.md#small_gemm-panel_min_rows) */
@@ -30,7 +30,7 @@
  * measured: docs/bench/code-figures.md#small_gemm-panel_min_rows) */
 #define PANEL_MIN_ROWS 3
 #endif
-#define NB 4      /* weight rows per block (row kernel), vectors per column group (panel kernel) */
+#define NB 4      /* weight rows per block (row kernel) */
 
 typedef float vec __attribute__((vector_size(VW * 4)));
 typedef float vec_u __attribute__((vector_size(VW * 4), aligned(4), may_alias)); /* unaligned access */
@@ -78,6 +78,8 @@ HIDDEN void mtpflow_small_gemm_q8(const float *x, const signed char *wq, const f
                            int M, int N, int K, int threads);
 HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
                         int threads);
+HIDDEN void mtpflow_q8_panel_gemm(const float *x, const signed char *qpanels, const float *scale, const float *b,
+                                  float *y, int M, int N, int K, int threads);
 HIDDEN int mtpflow_gemm_w8a8(const float *x, const signed char *q, const float *scale, const int32_t *wsum, float *y,
                              int M, int N, int K, int kp, int threads);
 /* a row x[K] as int8 (offset by Q8_OFFSET, zero past K up to kp); returns its scale */

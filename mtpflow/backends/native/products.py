@@ -20,8 +20,8 @@ import torch
 
 from mtpflow.backends.native import kernel
 
-PANEL = 64  # output features per panel (gemm.c)
-F32, PANELS, Q8, W8A8 = 0, 1, 2, 3  # MTPFLOW_LINEAR_* in gemm.c
+PANEL = 32  # output features per panel (gemm.c)
+F32, PANELS, Q8, W8A8, Q8_PANELS = 0, 1, 2, 3, 4  # MTPFLOW_LINEAR_* in gemm.c
 Q8_STEP = 64  # Q8_STEP in native.h: the int8 model's weight rows are padded with zeros to a multiple of it
 Q8_PANEL = 32  # Q8_PANEL in native.h: output features per packed panel
 
@@ -32,6 +32,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
     padded[:n] = weight.detach()
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_q8_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights [out, in] as the int8 panel kernel reads them (``pack_panels``' layout in int8: ceil(out / PANEL)
+    panels of in x PANEL, zero rows past ``out``)."""
+    n, k = q.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.int8)
+    padded[:n] = q
     return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
@@ -108,6 +117,13 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     """``F.linear(x, q * scale[:, None], bias)`` for float32 CPU ``x`` over int8 weights ``q`` [out, in] and
     float32 ``scale`` [out] (``quantize_int8``): the weight-only int8 kernel, every row count."""
     return _run(lib, Q8, x, q.shape[0], bias, q=q.data_ptr(), scale=scale.data_ptr())
+
+
+def linear_int8_panels(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``linear_int8`` over the panel copy of the int8 weight (``pack_q8_panels``; ``scale`` [out] gives the output
+    count): each weight read once for up to 12 rows (AVX-512), widened to floats once for all of them."""
+    return _run(lib, Q8_PANELS, x, int(scale.numel()), bias, q=panels.data_ptr(), scale=scale.data_ptr())
 
 
 def gemm_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, k: int,
