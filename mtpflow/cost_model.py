@@ -23,6 +23,9 @@ from mtpflow.host import load_profile, profile_entry, profile_path, tuning_notic
 
 AUTO = "auto"
 COST_KS = (0, 1, 2, 3, 4, 6, 8, 12, 16)  # the K set whose verify cost is measured (into the profile) for cost models
+# ... and the verify-cost curve ``python -m mtpflow.tune`` measures and stores: K = 0..32 (the curve a host's docs
+# report, and the Ks past 16 that a tree's node count reaches)
+CURVE_KS = (*COST_KS, 20, 24, 28, 32)
 VERIFY_CONTEXT = 256  # the cached prefix length verify costs are measured on (``strategy.select_k.cost_context``)
 BATCH_CONTEXT = 128  # ... and the batch grid
 

@@ -221,7 +221,7 @@ def run_parts(opts) -> tuple[list[dict], dict]:
                 _best(lambda: native._rows.run_groups(target.pool, step, head_from=None), repeats), layer_bytes)
             native.head_logits(normed, True)  # builds the certified head once
             add("float32", "certified int8 head", n, _best(lambda: native.head_logits(normed, True), repeats),
-                native._head.q.numel() + 12 * native._head.q.shape[0])
+                native._head.nbytes)
             add("float32", "float32 head (native product)", n,
                 _best(lambda: native.head_logits(normed, False), repeats), head.weight.numel() * 4)
 

@@ -1,7 +1,8 @@
 """``python -m mtpflow.tune [key=value ...]``: measure on this machine what the cost model needs for the configured
 model and backend, and write it to the tuning profile (``mtpflow.host``): the verify-cost curve of one sequence's
-forward by draft length (for sequences that read logits, and for greedy ones that read only the argmax where the
-backend has a cheaper head for them) and the batch grid of the engine's shared forward. Runs read the profile;
+forward by draft length, K = 0..32 (``cost_model.CURVE_KS``; for sequences that read logits, and for greedy ones
+that read only the argmax where the backend has a cheaper head for them) and the batch grid of the engine's shared
+forward. ``shape=1b|3b|8b`` measures the curve of a random Llama of that size instead (``tools.tune_shape``). Runs read the profile;
 one that finds no entry measures it once, with a one-line notice.
 
 Hydra overrides as for ``python -m mtpflow``: ``model.name=``, ``model.backend=``, ``model.dtype=``, ``strategy=``
@@ -20,19 +21,22 @@ USAGE = """usage: python -m mtpflow.tune [key=value ...]
   model.name=ID|PATH   model.backend=auto|hf|native_cpu   model.dtype=...   (as for python -m mtpflow)
   strategy=NAME        also measure the strategy's own cost_context / auto_ks
   profile=PATH         the profile file to write (default: $MTPFLOW_PROFILE, else one per host in the cache)
+
+  shape=1b|3b|8b       instead: the verify-cost curve (K = 0..32) of a random Llama 3 of that size, float32 and
+                       int8 where memory allows (precisions=[int8] for one), each in a process of its own
 """
 VERIFY_REPEATS = 5  # as the loaders measure (mtpflow.cost_model): the fastest repeat counts
 BATCH_REPEATS = 2
 
 
 def verify_settings(strategy) -> dict[int, list[int]]:
-    """{cost context: the Ks to measure there}: the cost model's default (COST_KS at VERIFY_CONTEXT) plus what
+    """{cost context: the Ks to measure there}: the whole curve (CURVE_KS, K = 0..32) at VERIFY_CONTEXT plus what
     a stage of ``strategy`` asks for with its own ``cost_context`` / ``auto_ks`` (``hardware_aware``)."""
     from omegaconf import OmegaConf
 
-    from mtpflow.cost_model import COST_KS, VERIFY_CONTEXT
+    from mtpflow.cost_model import COST_KS, CURVE_KS, VERIFY_CONTEXT
 
-    wanted: dict[int, set[int]] = {VERIFY_CONTEXT: set(COST_KS)}
+    wanted: dict[int, set[int]] = {VERIFY_CONTEXT: set(CURVE_KS)}
 
     def visit(node):
         if isinstance(node, dict):
@@ -123,6 +127,10 @@ def measure(argv: list[str]) -> int:
     from mtpflow.engine import Engine
     from mtpflow.host import check_named_profile
 
+    if any(a.startswith("shape=") for a in argv):
+        from mtpflow.tools import tune_shape
+
+        return tune_shape.main(argv)
     cfg = compose(argv)
     validate(cfg)
     check_named_profile(profile_setting(cfg))  # a damaged or foreign named profile: one line, before the load

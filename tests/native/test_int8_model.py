@@ -36,10 +36,13 @@ def causal(n: int) -> torch.Tensor:
 
 def test_packing_round_trips():
     torch.manual_seed(0)
-    for n, k in ((1, 1), (5, 7), (8, 64), (13, 130)):
+    for n, k in ((1, 1), (5, 7), (8, 64), (13, 130), (130, 200)):
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         packed = products.pack_q8(q)
-        assert packed.shape[2:] == (products.Q8_NB, products.Q8_STEP)
+        assert packed.shape == products.packed_q8_shape(n, k) and packed.shape[2:] == (products.Q8_PANEL, 4)
+        assert packed.shape[1] * 4 % products.Q8_STEP == 0
+        for f, c in ((0, 0), (n - 1, k - 1), (n // 2, k // 3)):  # weight [f, c]: step c // 4 of f's panel
+            assert packed[f // products.Q8_PANEL, c // 4, f % products.Q8_PANEL, c % 4] == q[f, c]
         assert torch.equal(products.unpack_q8(packed, n, k), q)
         lin = R.Int8Linear(packed, torch.ones(n), q.sum(1, dtype=torch.int32), k)
         ids = torch.tensor([n - 1, 0, n // 2])
@@ -61,8 +64,8 @@ def test_the_reference_linear_is_exact_integer_arithmetic():
 
 
 @needs_native
-@pytest.mark.parametrize("rows", (1, 2, 5, 6, 7, 13))
-@pytest.mark.parametrize("n,k", ((1, 1), (5, 7), (64, 576), (130, 100), (201, 1536)))
+@pytest.mark.parametrize("rows", (1, 2, 5, 6, 7, 12, 13, 25))
+@pytest.mark.parametrize("n,k", ((1, 1), (5, 7), (48, 64), (64, 576), (130, 100), (201, 1536)))
 def test_the_kernel_product_is_the_reference_bit_for_bit(rows, n, k):
     torch.manual_seed(rows * 1000 + n)
     lin = R.Int8Linear.of(torch.randn(n, k))

@@ -14,7 +14,9 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import platform
 import random
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +37,8 @@ CC = kernel.compiler()
 needs_cc = pytest.mark.skipif(CC is None, reason="no C compiler to build the native kernels")
 BUILDS = (*kernel.runnable_isas(), "native")  # "native": kernel.FLAGS, what library() builds
 
-ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 16, 17, 33)
-# (outputs n, inputs k): n below, at and past the 4-row blocks and the 64-wide panels; k below, at and past the
+ROWS = (1, 2, 3, 4, 5, 6, 7, 9, 12, 13, 16, 17, 25, 33)
+# (outputs n, inputs k): n below, at and past the 4-row blocks and the 32-wide panels; k below, at and past the
 # 8- and 16-float vectors, odd
 SHAPES = ((1, 1), (3, 5), (4, 8), (5, 17), (16, 16), (64, 64), (65, 33), (130, 100), (200, 257))
 
@@ -81,10 +83,10 @@ def _within(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, case: str
 
 
 def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=(2, 7, 17, 33), seed=0) -> int:
-    """The float products (rows, panels) and the int8-weight product against their references, on every thread count for
-    ``threaded_rows`` and on the first for the other row counts (the threads split the weight rows or panels,
-    whatever the row count; on a busy 2-core host every 2-thread region can wait for a core); returns the number
-    of calls checked."""
+    """The float products (rows, panels) and the int8-weight products (rows, panels) against their references, on
+    every thread count for ``threaded_rows`` and on the first for the other row counts (the threads split the weight
+    rows or panels, whatever the row count; on a busy 2-core host every 2-thread region can wait for a core);
+    returns the number of calls checked."""
     generator = torch.Generator().manual_seed(seed)
     calls = 0
     for n, k in shapes:
@@ -92,6 +94,7 @@ def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=
         panels = products.pack_panels(w)
         assert torch.equal(native_reference.unpack_panels(panels, n), w)  # the panels hold the weight
         q, scale = products.quantize_int8(w)
+        qpanels = products.pack_q8_panels(q)
         deq = q.double() * scale.double()[:, None]
         for m in rows:
             x = torch.randn(m, k, generator=generator)
@@ -110,12 +113,15 @@ def check_products(lib, rows=ROWS, shapes=SHAPES, threads=(1, 2), threaded_rows=
                                                      (products.PANELS, dict(panels=panels.data_ptr()), panel_exact,
                                                       bound),
                                                      (products.Q8, dict(q=q.data_ptr(), scale=scale.data_ptr()),
+                                                      exact_q, bound_q),
+                                                     (products.Q8_PANELS,
+                                                      dict(q=qpanels.data_ptr(), scale=scale.data_ptr()),
                                                       exact_q, bound_q)):
                         y = torch.empty(m, n)
                         assert kernel.call(lib, "linear", kind=kind, M=m, N=n, K=k, threads=t, x=x.data_ptr(),
                                            b=b_ptr, y=y.data_ptr(), **weight) == 0
                         _within(y, ref, limit, f"mtpflow_linear kind {kind} {case}")
-                    calls += 3
+                    calls += 4
     return calls
 
 
@@ -126,7 +132,7 @@ def test_products_match_their_references(builds, build):
     expected = {"avx512": 16, "avx2": 8, "generic": 8}.get(build)  # "native": whatever this CPU has
     if expected is not None:  # the build really took its vector width (__AVX512F__ or not)
         assert lib.mtpflow_vector_width() == expected
-    assert check_products(lib) == len(SHAPES) * (len(ROWS) + 4) * 2 * 3
+    assert check_products(lib) == len(SHAPES) * (len(ROWS) + 4) * 2 * 4
 
 
 # ----- mtpflow_llama_rows ------------------------------------------------------------------------------------
@@ -353,7 +359,7 @@ def test_llama_rows_match_the_reference(builds, build, case):
 
 # ----- the int8 model (mtpflow_gemm_w8a8, mtpflow_w8a8_rows): bit for bit its torch reference -------------------
 
-def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 13), shapes=((1, 1), (5, 7), (65, 64), (130, 100), (33, 257)), seed=0) -> int:
+def check_w8a8(lib, rows=(1, 2, 5, 6, 7, 12, 13, 25), shapes=((1, 1), (5, 7), (65, 64), (130, 100), (33, 257)), seed=0) -> int:
     """The int8 product and a tiny int8 Llama's forward (``check_int8_forward``) through ``lib``, each equal to
     ``int8_reference`` bit for bit; returns the number of product calls checked (the forward's checks are its
     own asserts)."""
@@ -416,7 +422,47 @@ def test_the_int8_model_matches_its_reference_bit_for_bit(builds, build):
     expected = {"generic": "plain C", "avx2": "AVX2", "avx512": "AVX2"}.get(build)  # skylake-avx512: no VNNI
     if expected is not None:
         assert kernel.q8_isa(lib) == expected
-    assert check_w8a8(lib) == 5 * 6
+    assert check_w8a8(lib) == 5 * 8
+
+
+AMX_FLAGS = ("amx_tile", "amx_int8")
+
+
+def test_the_amx_path_compiles_where_the_compiler_knows_it(tmp_path):
+    """The AMX tile path (w8a8.c) is compiled into a build for a CPU with AMX (Sapphire Rapids) by a compiler that
+    knows the instructions: its tile products are in the library. Compiling is all this can check on a CPU without
+    AMX; test_amx_products_are_the_vnni_products runs them where there is one."""
+    if CC is None:
+        pytest.skip("no C compiler")
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("AMX is an x86-64 extension")
+    out = tmp_path / "amx.so"
+    if not kernel.build(CC, out, ("-O2", "-march=sapphirerapids", "-fopenmp", "-shared", "-fPIC")):
+        pytest.skip(f"{CC} does not know -march=sapphirerapids")
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("no objdump to look for the tile instructions")
+    code = subprocess.run([objdump, "-d", str(out)], capture_output=True, text=True, timeout=120).stdout
+    assert "tdpbusd" in code and "tileloadd" in code and "ldtilecfg" in code
+
+
+@needs_cc
+def test_amx_products_are_the_vnni_products(builds):
+    """Where the CPU has AMX: the int8 products and a tiny int8 model's forward on the tiles equal the reference bit
+    for bit, as the VNNI path's do (both add the same exact integers)."""
+    missing = [flag for flag in AMX_FLAGS if flag not in kernel.cpu_flags()]
+    if missing:
+        pytest.skip(f"this CPU lacks {', '.join(missing)} (/proc/cpuinfo): the AMX path is compiled here, not run")
+    lib = _lib(builds, "native")
+    assert lib.mtpflow_q8_amx_built() == 1, "the native build on an AMX CPU has no AMX path (compiler too old?)"
+    try:
+        assert lib.mtpflow_q8_amx(1) == 1, "Linux did not grant the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+        assert kernel.q8_isa(lib) == "AMX"
+        assert check_w8a8(lib, rows=(2, 5, 16, 17, 33)) == 5 * 5
+        assert lib.mtpflow_q8_amx(0) == 0 and kernel.q8_isa(lib) == "AVX-512 VNNI"
+        assert check_w8a8(lib, rows=(2, 17)) == 5 * 2
+    finally:
+        lib.mtpflow_q8_amx(1)
 
 
 # ----- every model family (tests/families.py) ----------------------------------------------------------------

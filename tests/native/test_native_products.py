@@ -101,11 +101,13 @@ def test_leading_dims_and_non_contiguous_inputs():
 
 def test_panel_layout():
     w = torch.arange(70 * 3, dtype=torch.float32).reshape(70, 3)
-    panels = products.pack_panels(w)
-    assert panels.shape == (2, 3, products.PANEL)
-    assert torch.equal(panels[1, 2, 5], w[products.PANEL + 5, 2])
-    assert torch.equal(panels[0, :, :].t(), w[: products.PANEL])
-    assert not panels[1, :, 70 - products.PANEL:].any()  # zero rows past the weight's end
+    q = (torch.arange(70 * 3) % 255 - 127).to(torch.int8).reshape(70, 3)
+    for weight, panels in ((w, products.pack_panels(w)), (q, products.pack_q8_panels(q))):
+        count = -(-70 // products.PANEL)
+        assert panels.shape == (count, 3, products.PANEL) and panels.dtype == weight.dtype
+        assert torch.equal(panels[1, 2, 5], weight[products.PANEL + 5, 2])
+        assert torch.equal(panels[0, :, :].t(), weight[: products.PANEL])
+        assert not panels[-1, :, 70 - (count - 1) * products.PANEL:].any()  # zero rows past the weight's end
 
 
 def test_no_compiler_means_no_native_backend(fresh_library, monkeypatch, capsys):

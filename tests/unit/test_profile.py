@@ -204,13 +204,13 @@ def test_tune_writes_what_runs_read(tiny_folder, tmp_path, capsys):
     assert main([f"model.name={tiny_folder}", f"profile={path}", "trace=off", "strategy=hardware_aware",
                  "strategy.select_k.cost_context=32"]) == 0
     out = capsys.readouterr().out
-    assert f"wrote {path}" in out and "K=16" in out and "q=17" in out
+    assert f"wrote {path}" in out and "K=32" in out and "q=17" in out
     data = json.loads(path.read_text())
     assert data["version"] == 1 and data["host"]["cpu"] == machine.cpu_name()
     for key, entry in data["entries"].items():
         assert str(tiny_folder) in key
         assert sorted(entry["verify"], key=int) == ["32", "256"]
-        assert sorted(entry["verify"]["256"], key=int) == [str(k) for k in cost_model.COST_KS]
+        assert sorted(entry["verify"]["256"], key=int) == [str(k) for k in cost_model.CURVE_KS]  # K = 0..32
     assert sum("batch" in e for e in data["entries"].values()) == 1
     (grid,) = [e["batch"]["128"] for e in data["entries"].values() if "batch" in e]
     assert len(grid) == len(cost_model.BATCH_SIZES) * len(cost_model.BATCH_ROWS)
@@ -221,6 +221,14 @@ def test_tune_writes_what_runs_read(tiny_folder, tmp_path, capsys):
     assert run.returncode == 0, run.stderr[-2000:]
     assert json.loads(run.stdout)["stats"]["pld_costs"] == "cached" and host.TUNING_NOTICE not in run.stderr
     assert path.read_bytes() == before
+
+
+def test_tune_shape_names_its_choices_in_one_line(capsys):
+    from mtpflow.tools.tune import main
+
+    assert main(["shape=2b"]) == 2
+    assert capsys.readouterr().err.strip() == "mtpflow.tune: error: shape=2b: choose one of 1b, 3b, 8b"
+    assert main(["shape=1b", "precisions=[int4]"]) == 2
 
 
 def test_the_first_cli_run_without_a_profile_tunes_with_one_notice(tiny_folder, tmp_path):

@@ -2,8 +2,9 @@
 
 A greedy gate reads one thing from each verify row: the target's argmax. At batch 1 on a CPU the LM head reads
 its whole float32 weight every step (the default model's: 113 MB, a fifth of a step's weight bytes), for 1 to 17
-rows. Here the head runs through the native int8 kernel (``products.linear_int8``: a quarter of the bytes)
-and every logit comes with a rigorous error bound: for weight row ``w_j = q_j * s_j + r_j``,
+rows. Here the head runs through the native int8 panel kernel (``products.linear_int8_panels``: a quarter of the
+bytes, each read once for all the rows) and every logit comes with a rigorous error bound: for weight row
+``w_j = q_j * s_j + r_j``,
 
     |x . w_j - approx_j| <= ||x||_2 * ||r_j||_2  +  ROUNDING * ||x||_1 * max|w_j|
 
@@ -41,8 +42,9 @@ class CertifiedHead:
         weight = weight.detach()
         self.weight = weight if weight.is_contiguous() else weight.contiguous()
         self.key = (weight.data_ptr(), weight._version)
-        self.q, self.scale = products.quantize_int8(self.weight)  # [vocab, hidden] int8, [vocab]
-        residual = self.weight - self.q.float() * self.scale[:, None]
+        q, self.scale = products.quantize_int8(self.weight)  # [vocab, hidden] int8, [vocab]
+        residual = self.weight - q.float() * self.scale[:, None]
+        self.panels = products.pack_q8_panels(q)  # the int8 panel kernel's layout: read once for up to 12 rows
         self.residual_norm = residual.norm(dim=1)  # [vocab] ||r_j||_2
         self.abs_max = self.weight.abs().amax(dim=1)  # [vocab] max |w_j|
         self.coarse_residual = float(self.residual_norm.max())
@@ -50,7 +52,7 @@ class CertifiedHead:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.residual_norm, self.abs_max))
+        return sum(t.numel() * t.element_size() for t in (self.panels, self.scale, self.residual_norm, self.abs_max))
 
     def logits(self, x: torch.Tensor, cap: float = 0.0) -> torch.Tensor:
         """[rows, vocab] float32 logits of ``x`` [rows, hidden] (soft-capped by ``cap``, ``softcap``): exact for
@@ -59,7 +61,7 @@ class CertifiedHead:
         largest capped lower bound, so a tie the cap makes is decided by the exact values, as HF's argmax
         decides it (the first index)."""
         x = x.reshape(-1, x.shape[-1]).contiguous()
-        approx = products.linear_int8(x, self.q, self.scale)
+        approx = products.linear_int8_panels(x, self.panels, self.scale)
         l2 = x.norm(dim=1)  # [rows]
         l1 = x.abs().sum(dim=1)
         # one bound for every token of a row first (a cheap compare over the vocabulary): a token under the

@@ -5,10 +5,10 @@
  * input rows: blocks of 4 weight rows x up to 6 input rows keep 24 vector accumulators in registers while
  * the 4 weight rows stream past, and the next block's weight rows are prefetched while this one computes,
  * so memory and arithmetic overlap (mtpflow_small_gemm). As rows grow the arithmetic starts to show, and
- * from PANEL_MIN_ROWS rows mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 64 output
- * features x K (panel[k][0..63]), so each step of k loads 4 vectors of weights and broadcasts one input value
- * per row into 4 x 6 accumulators with no horizontal sums, while one sequential stream per panel is prefetched
- * 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
+ * from PANEL_MIN_ROWS rows mtpflow_panel_gemm takes over: the weight is re-laid once into panels of 32 output
+ * features x K (panel[k][0..31]), so each step of k loads 2 vectors of weights (AVX-512) and broadcasts one input
+ * value per row into 2 x 12 accumulators with no horizontal sums, while one sequential stream per panel is
+ * prefetched 4 KB ahead. Weight blocks and panels are split across OpenMP threads (torch's own OpenMP
  * runtime: torch has loaded libgomp.so.1 before this library is opened).
  *
  * The caller starts the panels at PANEL_MIN_ROWS rows (read by kernel.panel_min_rows): 1 on AVX-512
@@ -19,7 +19,7 @@
  * Portable C with GCC vector extensions: 16-float vectors where the compiler targets AVX-512, else 8-float
  * ones (AVX2) with fewer input rows per block, since AVX2 has 16 vector registers, not 32 (64-byte vectors
  * without AVX-512 compile to scalar code, many times slower; measured: docs/bench/code-figures.md#small_gemm-header).
- * The pure-torch reference is F.linear; mtpflow/backends/native/products.py calls these kernels; library.py compiles and loads them.
+ * The pure-torch reference is F.linear; mtpflow/backends/native/products.py calls these kernels; kernel.py compiles and loads them.
  * Summation order differs from MKL's (differences around 1e-6 relative).
  *
  * mtpflow_small_gemm_q8 is the row kernel over int8 weights with one float scale per output feature
@@ -192,252 +192,111 @@ HIDDEN void mtpflow_small_gemm_q8(const float *x, const signed char *wq, const f
     WEIGHT_BLOCKS(1)
 }
 
-/* ---- panel layout: panels[p][k][j] = w[p * PANEL + j][k] (zero past N), built by products.pack_panels */
-#define PANEL 64
-#define GROUP (NB * VW)            /* columns of a panel one pass accumulates: 64 (AVX-512) or 32 */
-#define PANEL_PREFETCH 1024        /* floats ahead in the panel's stream */
+/* ---- panel layout: panels[p][k][j] = w[p * PANEL + j][k] (zero past N), built by products.pack_panels; int8
+ * panels the same with int8 weights (products.pack_q8_panels: the certified head) */
+#define PANEL 32                   /* output features per panel: one panel is PANEL_NV vectors wide */
+#define PANEL_NV (PANEL / VW)      /* 2 (AVX-512) or 4 vectors */
+#define PANEL_PREFETCH 4096        /* bytes ahead in the panel's stream */
 
-static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel, const float *b,
-                                                              float *y, int N, int K, int n0, int m0, const int mb) {
+/* one panel (PANEL features, from n0) times mb rows from m0, the accumulators in registers over the whole of K. A
+ * panel 32 features wide by 12 rows (AVX-512: 24 accumulators) reads each weight once for up to 12 rows; the
+ * previous 64 by 6 read a panel twice for 7 to 12 rows, the second time from L2 (or, for a 1B model's 8192-column
+ * down projection, from L3): the default model's decoder products at 9 rows took 1.37 times 1 row that way, 1.05
+ * times here (measured: docs/bench/verify_cost_dec05.md). q8: int8 panels (32 bytes a step), widened to floats once per
+ * step for all the rows, then times scale[n]. */
+static inline __attribute__((always_inline)) void panel_block(const float *x, const float *panel,
+                                                              const signed char *qpanel, const float *scale,
+                                                              const float *b, float *y, int N, int K, int n0,
+                                                              int m0, const int mb, const int q8) {
     const float *xr[PANEL_MB];
-    for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
-    for (int g = 0; g < PANEL; g += GROUP) {
-        vec acc[PANEL_MB][NB];
-        for (int j = 0; j < mb; j++)
-            for (int v = 0; v < NB; v++) acc[j][v] = (vec){0};
-        for (int k = 0; k < K; k++) {
+    _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++) xr[j] = x + (size_t)(m0 + j) * K;
+    vec acc[PANEL_MB][PANEL_NV];
+    _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++)
+        _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) acc[j][v] = (vec){0};
+    for (int k = 0; k < K; k++) {
+        vec pv[PANEL_NV];
+        if (q8) {
+            const signed char *pk = qpanel + (size_t)k * PANEL;
+            if (k % 2 == 0) __builtin_prefetch(pk + PANEL_PREFETCH);
+            _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) pv[v] = loadq(pk + VW * v);
+        } else {
             const float *pk = panel + (size_t)k * PANEL;
-            if (g == 0)
-                for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(pk + PANEL_PREFETCH + c);
-            vec pv[NB];
-            for (int v = 0; v < NB; v++) pv[v] = loadv(pk + g + VW * v);
-            for (int j = 0; j < mb; j++) {
-                const float xs = xr[j][k];
-                for (int v = 0; v < NB; v++) acc[j][v] += pv[v] * xs;
-            }
+            _Pragma("GCC unroll 4") for (int c = 0; c < PANEL; c += 16) __builtin_prefetch(pk + PANEL_PREFETCH / 4 + c);
+            _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) pv[v] = loadv(pk + VW * v);
         }
-        const int nv = N - n0 - g < GROUP ? N - n0 - g : GROUP;
-        for (int j = 0; j < mb && nv > 0; j++) {
-            float out[GROUP];
-            for (int v = 0; v < NB; v++) storev(out + VW * v, acc[j][v]);
-            float *yr = y + (size_t)(m0 + j) * N + n0 + g;
-            for (int i = 0; i < nv; i++) yr[i] = b ? out[i] + b[n0 + g + i] : out[i];
+        _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++) {
+            const float xs = xr[j][k];
+            _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) acc[j][v] += pv[v] * xs;
+        }
+    }
+    const int nv = N - n0 < PANEL ? N - n0 : PANEL;
+    _Pragma("GCC unroll 16") for (int j = 0; j < mb; j++) {
+        float out[PANEL];
+        _Pragma("GCC unroll 4") for (int v = 0; v < PANEL_NV; v++) storev(out + VW * v, acc[j][v]);
+        float *yr = y + (size_t)(m0 + j) * N + n0;
+        for (int i = 0; i < nv; i++) {
+            const float s = q8 ? out[i] * scale[n0 + i] : out[i];
+            yr[i] = b ? s + b[n0 + i] : s;
         }
     }
 }
 
-#if PANEL_MB == 6
-#define PANEL_CASES                                                             \
-    case 6: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 6); break;         \
-    case 5: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 5); break;         \
-    case 4: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 4); break;         \
-    case 3: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 3); break;
+#define PANEL_CALL(MB, Q8) panel_block(x, panel, qpanel, scale, b, y, N, K, p * PANEL, m0, MB, Q8)
+#define PANEL_CASE(MB, Q8) case MB: PANEL_CALL(MB, Q8); break;
+#if PANEL_MB == 12
+#define PANEL_CASES(Q8) PANEL_CASE(12, Q8) PANEL_CASE(11, Q8) PANEL_CASE(10, Q8) PANEL_CASE(9, Q8) \
+    PANEL_CASE(8, Q8) PANEL_CASE(7, Q8) PANEL_CASE(6, Q8) PANEL_CASE(5, Q8) PANEL_CASE(4, Q8) PANEL_CASE(3, Q8)
 #else
-#define PANEL_CASES                                                             \
-    case 3: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 3); break;
+#define PANEL_CASES(Q8) PANEL_CASE(3, Q8)
 #endif
 
-/* x: M x K, panels: ceil(N / 64) x K x 64, b: N or NULL, y: M x N */
 /* The threads split the (panel, row block) pairs in panel order, each thread a contiguous run: where the panels
- * split evenly between the threads this is a split of the panels; where they do not (576 outputs: 9 panels for 2
+ * split evenly between the threads this is a split of the panels; where they do not (a panel count odd for 2
  * threads) the panel at the seam is shared, so no thread idles for a panel's worth of rows (the second read of
  * that panel mostly from the shared L3). Each output comes from the same block either way: the same numbers. */
+#define PANEL_LOOP(Q8)                                                                  \
+    const int np = (N + PANEL - 1) / PANEL, nb = (M + PANEL_MB - 1) / PANEL_MB;         \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
+    for (int u = 0; u < np * nb; u++) {                                                 \
+        const int p = u / nb, m0 = (u % nb) * PANEL_MB;                                 \
+        const float *panel = panels ? panels + (size_t)p * K * PANEL : NULL;            \
+        const signed char *qpanel = qpanels ? qpanels + (size_t)p * K * PANEL : NULL;   \
+        switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {                                \
+            PANEL_CASES(Q8)                                                             \
+            PANEL_CASE(2, Q8)                                                           \
+            default: PANEL_CALL(1, Q8); break;                                          \
+        }                                                                               \
+    }
+
+/* x: M x K, panels: ceil(N / PANEL) x K x PANEL, b: N or NULL, y: M x N */
 HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
-                        int threads) {
-    const int np = (N + PANEL - 1) / PANEL, nb = (M + PANEL_MB - 1) / PANEL_MB;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int u = 0; u < np * nb; u++) {
-        const int p = u / nb, m0 = (u % nb) * PANEL_MB;
-        const float *panel = panels + (size_t)p * K * PANEL;
-        switch (M - m0 < PANEL_MB ? M - m0 : PANEL_MB) {
-            PANEL_CASES
-            case 2: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 2); break;
-            default: panel_block(x, panel, b, y, N, K, p * PANEL, m0, 1); break;
-        }
-    }
+                               int threads) {
+    const signed char *qpanels = NULL;
+    const float *scale = NULL;
+    PANEL_LOOP(0)
 }
 
-/* From here to the end of the file no multiply and add is fused into one rounding (GCC's optimize pragma, clang's
- * fp contract): the int8 model's products (below) round each float operation as its torch reference
- * (mtpflow/backends/native/int8_reference.py) does. The float products above keep their fused multiply-adds. */
-#if defined(__clang__)
-#pragma clang fp contract(off)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
-#endif
-
-
-/* ==== The int8 model (model.quantize=int8): int8 weights, int8 activations, integer dot products ===========
- *
- * Its numerics are defined once, by the torch reference mtpflow/backends/native/int8_reference.py; this is the fast
- * implementation of the same arithmetic.
- * - Weights: int8 q[n][k] with one float scale per output feature (symmetric, |q| <= 127), each row padded with
- *   zeros to kp = a multiple of 64 columns (Q8_STEP), and wsum[n] = sum_k q[n][k]; laid out in blocks of Q8_NB rows
- *   (zero rows past N), each block [kp / 64][Q8_NB][64], so that the threads read the weights as sequential
- *   streams: at batch 1 that read is the whole cost (four rows at a time in row-major order read at about a
- *   third of the packed layout's rate; measured: docs/bench/int8_dec05.md#kernel-figures).
- * - Activations: each row of a product's input quantized on its own: s = max|x| / 127 (1 for a row of zeros),
- *   xq = round-half-even(x / s) clamped to +-127. A row's result never depends on the other rows in the call,
- *   so a batched verify gives exactly what its rows give one at a time.
- * - The dot product is exact in int32 (|x q| <= 127 * 127 per term); y = ((float)dot * s_row) * scale[n].
- * - Between the products: RMSNorm with the sum of squares in double, rotary, attention whose scores, softmax
- *   sum and weighted values are summed in double and rounded once to float, exponentials by vexp (both in the
- *   attention and in SiLU), each other operation one float rounding in the reference's order.
- * The dot products: AVX-512 VNNI (vpdpbusd: unsigned times signed bytes, so the activations go in offset by 128
- * and 128 * wsum[n] comes off the sum), else AVX2 (the sign trick: |x| times sign(x) * q, pairs summed in int16
- * without overflow since 2 * 127 * 127 < 32768), else plain C. */
-#include <math.h>
-#include <stdlib.h>
-/* a row x[K] as int8 (offset by Q8_OFFSET, zero past K up to kp); returns its scale */
-float mtpflow_quantize_row(const float *x, int K, int kp, unsigned char *xq) {
-    float amax = 0.0f;
-    for (int i = 0; i < K; i++) {
-        const float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-    for (int i = 0; i < K; i++) {
-        float v = nearbyintf(x[i] / s);  /* the default rounding mode: half to even, as torch.round */
-        v = v > 127.0f ? 127.0f : (v < -127.0f ? -127.0f : v);
-        xq[i] = (unsigned char)((int)v + Q8_OFFSET);
-    }
-    for (int i = K; i < kp; i++) xq[i] = (unsigned char)Q8_OFFSET;
-    return s;
+/* x: M x K float, qpanels: int8 panels ceil(N / PANEL) x K x PANEL, scale: N, b: N or NULL, y: M x N */
+HIDDEN void mtpflow_q8_panel_gemm(const float *x, const signed char *qpanels, const float *scale, const float *b,
+                                  float *y, int M, int N, int K, int threads) {
+    const float *panels = NULL;
+    PANEL_LOOP(1)
 }
-
-/* exact int32 dot products of the Q8_NB weight rows of one packed block (w: [kp / 64][Q8_NB][64]: the rows' 64
- * columns of each step side by side, so a block is read as one sequential stream) with mb quantized rows */
-static inline __attribute__((always_inline)) void q8_block(const unsigned char *xq, const signed char *w, int kp,
-                                                           const int mb, int32_t out[Q8_NB][Q8_MB]) {
-#if defined(Q8_VNNI)
-    __m512i acc[Q8_NB][Q8_MB];
-    for (int i = 0; i < Q8_NB; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm512_setzero_si512();
-    for (int k = 0; k < kp; k += Q8_STEP) {
-        const signed char *step = w + (size_t)k * Q8_NB;
-        __m512i wv[Q8_NB];
-        for (int i = 0; i < Q8_NB; i++) wv[i] = _mm512_loadu_si512((const void *)(step + i * Q8_STEP));
-        for (int j = 0; j < mb; j++) {
-            const __m512i xv = _mm512_loadu_si512((const void *)(xq + (size_t)j * kp + k));
-            for (int i = 0; i < Q8_NB; i++) acc[i][j] = _mm512_dpbusd_epi32(acc[i][j], xv, wv[i]);
-        }
-    }
-    for (int i = 0; i < Q8_NB; i++)
-        for (int j = 0; j < mb; j++) out[i][j] = _mm512_reduce_add_epi32(acc[i][j]);
-#elif defined(Q8_AVX2)
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[Q8_NB][Q8_MB];
-    for (int i = 0; i < Q8_NB; i++)
-        for (int j = 0; j < mb; j++) acc[i][j] = _mm256_setzero_si256();
-    for (int k = 0; k < kp; k += 32) {  /* half a step: columns k % 64 .. + 31 of each row */
-        const signed char *step = w + (size_t)(k - k % Q8_STEP) * Q8_NB + k % Q8_STEP;
-        __m256i wv[Q8_NB];
-        for (int i = 0; i < Q8_NB; i++) wv[i] = _mm256_loadu_si256((const __m256i *)(step + i * Q8_STEP));
-        for (int j = 0; j < mb; j++) {
-            const __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)j * kp + k));
-            const __m256i ax = _mm256_sign_epi8(xv, xv);
-            for (int i = 0; i < Q8_NB; i++) {
-                const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[i], xv));
-                acc[i][j] = _mm256_add_epi32(acc[i][j], _mm256_madd_epi16(pairs, ones));
-            }
-        }
-    }
-    for (int i = 0; i < Q8_NB; i++)
-        for (int j = 0; j < mb; j++) {
-            const __m256i v = acc[i][j];
-            __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-            s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-            out[i][j] = _mm_cvtsi128_si32(s);
-        }
-#else
-    for (int i = 0; i < Q8_NB; i++)
-        for (int j = 0; j < mb; j++) {
-            const signed char *xr = (const signed char *)xq + (size_t)j * kp;
-            int32_t s = 0;
-            for (int k = 0; k < kp; k++) s += (int32_t)xr[k] * w[(size_t)(k - k % Q8_STEP) * Q8_NB + i * Q8_STEP + k % Q8_STEP];
-            out[i][j] = s;
-        }
-#endif
-}
-
-/* y[m][n] = ((float)dot(xq[m], q[n]) * sx[m]) * scale[n] for rows m of xq (quantized, kp columns each) and the
- * N outputs of q, packed in blocks of Q8_NB rows (zero rows past N; products.pack_q8) */
-/* thread t of nt's share of the product: y[m][n] = ((float)dot(xq[m], q[n]) * sx[m]) * scale[n] for rows m of xq
- * (quantized, kp columns each) and the N outputs of q, packed in blocks of Q8_NB rows (zero rows past N;
- * products.pack_q8). Each thread takes one contiguous run of blocks: one sequential stream. */
-void mtpflow_q8_part(int t, int nt, const unsigned char *xq, const float *sx, int M, const signed char *q,
-                    const float *scale, const int32_t *wsum, int N, int kp, float *y) {
-    const int blocks = (N + Q8_NB - 1) / Q8_NB;
-    const int b0 = (int)((long)blocks * t / nt), b1 = (int)((long)blocks * (t + 1) / nt);
-    for (int b = b0; b < b1; b++) {
-        const int n0 = b * Q8_NB, nb = N - n0 < Q8_NB ? N - n0 : Q8_NB;
-        const signed char *w = q + (size_t)n0 * kp;
-        for (int m0 = 0; m0 < M; m0 += Q8_MB) {
-            const int mb = M - m0 < Q8_MB ? M - m0 : Q8_MB;
-            int32_t out[Q8_NB][Q8_MB];
-            const unsigned char *xr = xq + (size_t)m0 * kp;
-            switch (mb) {
-#if Q8_MB == 6
-                case 6: q8_block(xr, w, kp, 6, out); break;
-                case 5: q8_block(xr, w, kp, 5, out); break;
-                case 4: q8_block(xr, w, kp, 4, out); break;
-                case 3: q8_block(xr, w, kp, 3, out); break;
-#endif
-                case 2: q8_block(xr, w, kp, 2, out); break;
-                default: q8_block(xr, w, kp, 1, out); break;
-            }
-            for (int i = 0; i < nb; i++)
-                for (int j = 0; j < mb; j++) {
-                    const int32_t dot = out[i][j] - Q8_OFFSET * wsum[n0 + i];
-                    y[(size_t)(m0 + j) * N + n0 + i] = ((float)dot * sx[m0 + j]) * scale[n0 + i];
-                }
-        }
-    }
-}
-
-/* x: M x K float, q: the packed int8 weight (N rows, kp columns), scale: N, wsum: N, y: M x N. 0, or -1 when out of
- * memory. */
-HIDDEN int mtpflow_gemm_w8a8(const float *x, const signed char *q, const float *scale, const int32_t *wsum, float *y, int M,
-                      int N, int K, int kp, int threads) {
-    unsigned char *xq = malloc((size_t)M * kp + (size_t)M * sizeof(float));
-    if (!xq) return -1;
-    float *sx = (float *)(xq + (size_t)M * kp);
-#pragma omp parallel for schedule(static) num_threads(threads) if (M >= 4)
-    for (int m = 0; m < M; m++) sx[m] = mtpflow_quantize_row(x + (size_t)m * K, K, kp, xq + (size_t)m * kp);
-#pragma omp parallel num_threads(threads)
-    mtpflow_q8_part(omp_get_thread_num(), omp_get_num_threads(), xq, sx, M, q, scale, wsum, N, kp, y);
-    free(xq);
-    return 0;
-}
-
-/* 1 where the dot products run on AVX-512 VNNI, 2 on AVX2, 0 in plain C (the run's describe line names it) */
-int mtpflow_q8_isa(void) {
-#if defined(Q8_VNNI)
-    return 1;
-#elif defined(Q8_AVX2)
-    return 2;
-#else
-    return 0;
-#endif
-}
-
-/* one query head's attention, the int8 model's way: scores, softmax sum and weighted values summed in double,
- * each rounded once to float (so the order of the sums is immaterial); keys and values [n][d], the first n0 all
- * visible, the rest where own[t - n0]; s: scratch for n scores */
 
 /* ---- the one entry point of the products: mtpflow_linear(struct mtpflow_linear_args) -----------------------
  * y[M][N] = x[M][K] times the weight, by kind:
  * - MTPFLOW_LINEAR_F32: float32 weight w [N][K] (+ bias b [N] or NULL), the row kernel;
  * - MTPFLOW_LINEAR_PANELS: the same product over its panel copy (panels, products.pack_panels);
  * - MTPFLOW_LINEAR_Q8: int8 weight q [N][K] with float scale [N] (+ b), float activations (the self-draft's copy);
+ * - MTPFLOW_LINEAR_Q8_PANELS: the same over int8 panels q (products.pack_q8_panels: the certified head);
  * - MTPFLOW_LINEAR_W8A8: the int8 model's product: packed int8 q (products.pack_q8, kp columns), scale [N], row
  *   sums wsum [N], each row of x quantized on its own.
  * Versioned as the decoder stacks' structs are: a caller sets version to MTPFLOW_LINEAR_ABI and size to the struct's
  * size as it built it; products.py mirrors it once (LinearArgs). Returns 0, -1 out of memory (W8A8's scratch),
  * MTPFLOW_ROWS_BAD_ABI for another struct, -3 for an unknown kind. */
 #define MTPFLOW_LINEAR_ABI 1
-enum { MTPFLOW_LINEAR_F32 = 0, MTPFLOW_LINEAR_PANELS = 1, MTPFLOW_LINEAR_Q8 = 2, MTPFLOW_LINEAR_W8A8 = 3 };
+enum { MTPFLOW_LINEAR_F32 = 0, MTPFLOW_LINEAR_PANELS = 1, MTPFLOW_LINEAR_Q8 = 2, MTPFLOW_LINEAR_W8A8 = 3,
+       MTPFLOW_LINEAR_Q8_PANELS = 4 };
 
 struct mtpflow_linear_args {
     int version;  /* MTPFLOW_LINEAR_ABI */
@@ -463,6 +322,9 @@ int mtpflow_linear(const struct mtpflow_linear_args *a) {
         case MTPFLOW_LINEAR_PANELS: mtpflow_panel_gemm(a->x, a->panels, a->b, a->y, a->M, a->N, a->K, a->threads); return 0;
         case MTPFLOW_LINEAR_Q8:
             mtpflow_small_gemm_q8(a->x, a->q, a->scale, a->b, a->y, a->M, a->N, a->K, a->threads);
+            return 0;
+        case MTPFLOW_LINEAR_Q8_PANELS:
+            mtpflow_q8_panel_gemm(a->x, a->q, a->scale, a->b, a->y, a->M, a->N, a->K, a->threads);
             return 0;
         case MTPFLOW_LINEAR_W8A8:
             return mtpflow_gemm_w8a8(a->x, a->q, a->scale, a->wsum, a->y, a->M, a->N, a->K, a->kp, a->threads);

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpflow.backends.native.description import GELU_TANH, SILU, describe, fused_bias
-from mtpflow.backends.native.products import pack_q8, quantize_int8, unpack_q8
+from mtpflow.backends.native.products import pack_q8, packed_q8_rows, packed_q8_shape, quantize_int8, unpack_q8
 
 F32 = torch.float32
 # the integer dot products run as float32 matmuls over chunks of CHUNK columns: every partial sum is an integer
@@ -71,14 +71,13 @@ class Int8Linear:
 
     @property
     def kp(self) -> int:
-        return int(self.q.shape[1] * self.q.shape[3])
+        return int(self.q.shape[1] * self.q.shape[3])  # [panels, kp / 4, Q8_PANEL, 4]
 
     def rows(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """The int8 weight [N, k] (or its rows ``ids``)."""
         if ids is None:
             return unpack_q8(self.q, self.n, self.k)
-        ids = ids.reshape(-1)
-        return self.q[ids // self.q.shape[2], :, ids % self.q.shape[2]].reshape(ids.numel(), -1)[:, :self.k]
+        return packed_q8_rows(self.q, ids.reshape(-1))[:, :self.k]
 
     def dequantized(self, ids: torch.Tensor | None = None) -> torch.Tensor:
         """``q * scale`` in float32 [N, k] (or rows ``ids``): what the int8 head is as a float table."""
@@ -149,10 +148,8 @@ class Int8Weights:
 
 def _packed_bytes(*weights: torch.Tensor) -> int:
     """Bytes of the packed int8 weight ``Int8Linear.of(*weights)`` makes (``products.pack_q8``)."""
-    from mtpflow.backends.native.products import Q8_NB, Q8_STEP
-
-    n, k = sum(int(w.shape[0]) for w in weights), int(weights[0].shape[1])
-    return -(-n // Q8_NB) * Q8_NB * -(-k // Q8_STEP) * Q8_STEP
+    shape = packed_q8_shape(sum(int(w.shape[0]) for w in weights), int(weights[0].shape[1]))
+    return shape[0] * shape[1] * shape[2] * shape[3]
 
 
 def _scale(t: torch.Tensor | None) -> torch.Tensor | None:

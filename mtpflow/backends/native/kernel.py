@@ -1,7 +1,7 @@
 """mtpflow's native CPU kernel, seen from Python: how it is built and loaded, and the one mirror of each struct its
 entry points take.
 
-The C sources (``gemm.c``: the products; ``rows_float.c`` and ``rows_int8.c``: a float32 and the int8 model's
+The C sources (``gemm.c``: the float products and their entry point; ``w8a8.c``: the int8 model's; ``rows_float.c`` and ``rows_int8.c``: a float32 and the int8 model's
 decoder stacks; ``native.h``, ``rows_common.h``) ship in the package and are compiled on first use with the system
 C compiler (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native -fopenmp``) into one library under
 ``~/.cache/mtpflow/native``, keyed by the sources, the compiler and the CPU, then loaded with ctypes. Where there is
@@ -31,7 +31,7 @@ from mtpflow.errors import UserError
 
 HERE = Path(__file__).parent
 # the translation units of the one library (native.h and rows_common.h are included by them)
-SOURCES = tuple(HERE / name for name in ("gemm.c", "rows_float.c", "rows_int8.c"))
+SOURCES = tuple(HERE / name for name in ("gemm.c", "w8a8.c", "rows_float.c", "rows_int8.c"))
 HEADERS = tuple(HERE / name for name in ("native.h", "rows_common.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # builds for a fixed instruction set (the harness, tests/kernels/test_native_harness.py, builds each one this CPU
@@ -248,8 +248,9 @@ def load(path: Path) -> ctypes.CDLL:
                             f"expects {mine}: delete it to rebuild")
         entry.argtypes, entry.restype = [ctypes.POINTER(struct)], ctypes.c_int
     try:
-        for info in (lib.mtpflow_vector_width, lib.mtpflow_panel_min_rows, lib.mtpflow_q8_isa):
+        for info in (lib.mtpflow_vector_width, lib.mtpflow_panel_min_rows, lib.mtpflow_q8_isa, lib.mtpflow_q8_amx_built):
             info.argtypes, info.restype = [], ctypes.c_int
+        lib.mtpflow_q8_amx.argtypes, lib.mtpflow_q8_amx.restype = [ctypes.c_int], ctypes.c_int
     except AttributeError as missing:
         raise UserError(f"native kernel {path} lacks a function ({missing}): delete it to rebuild") from None
     return lib
@@ -267,10 +268,11 @@ def panel_min_rows(lib: ctypes.CDLL | None = None) -> int:
     return lib.mtpflow_panel_min_rows() if lib is not None else 0
 
 
-Q8_ISAS = {0: "plain C", 1: "AVX-512 VNNI", 2: "AVX2"}  # mtpflow_q8_isa()
+Q8_ISAS = {0: "plain C", 1: "AVX-512 VNNI", 2: "AVX2", 3: "AMX"}  # mtpflow_q8_isa()
 
 
 def q8_isa(lib: ctypes.CDLL | None = None) -> str:
-    """What computes the int8 model's dot products in this build (``Q8_ISAS``)."""
+    """What computes the int8 model's dot products in this build on this CPU (``Q8_ISAS``; AMX: products of two
+    rows or more, one row on AVX-512 VNNI)."""
     lib = library() if lib is None else lib
     return Q8_ISAS[lib.mtpflow_q8_isa()]

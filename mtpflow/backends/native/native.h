@@ -1,8 +1,9 @@
 /* The native CPU kernel's shared definitions: vector types and widths, the int8 products' layout, and the
- * entry points one file of the kernel calls in another. The kernel is four files compiled into one library
- * (mtpflow/backends/native/library.py builds and loads it):
- * - gemm.c: the products: float32 weights (row blocks, panels), int8 weights with float activations (the
- *   self-draft), and the int8 model's W8A8 products (int8 weights and activations, exact integer dots);
+ * entry points one file of the kernel calls in another. The kernel is five files compiled into one library
+ * (mtpflow/backends/native/kernel.py builds and loads it):
+ * - gemm.c: the float products: float32 weights (row blocks, panels), int8 weights with float activations (the
+ *   self-draft, the certified head), and the one entry point of every product (mtpflow_linear);
+ * - w8a8.c: the int8 model's products (int8 weights and activations, exact integer dots);
  * - rows_float.c: a float32 model's decoder stack over a verify forward's rows (mtpflow_llama_rows);
  * - rows_int8.c: the int8 model's decoder stack (mtpflow_w8a8_rows);
  * - rows_common.h: the arithmetic between the products both stacks share (RMSNorm, rotary, vexp).
@@ -14,7 +15,7 @@
 #if defined(__AVX512F__)
 #define VW 16     /* floats per vector */
 #define MB_MAX 6  /* input rows per block: 4 x 6 accumulators + 4 weight vectors + 1 input vector <= 32 registers */
-#define PANEL_MB 6
+#define PANEL_MB 12  /* panel kernel: 12 rows x 2 vectors (24 accumulators) + 2 weight vectors <= 32 registers */
 /* the panels from one row on AVX-512 builds: their sequential weight streams beat the 4 x 6 row blocks at every
  * row count measured, in the products alone (each layer's weights streamed from memory) and in whole verify
  * forwards (measured: docs/bench/code-figures.md#small_gemm-panel_min_rows) */
@@ -29,7 +30,7 @@
  * measured: docs/bench/code-figures.md#small_gemm-panel_min_rows) */
 #define PANEL_MIN_ROWS 3
 #endif
-#define NB 4      /* weight rows per block (row kernel), vectors per column group (panel kernel) */
+#define NB 4      /* weight rows per block (row kernel) */
 
 typedef float vec __attribute__((vector_size(VW * 4)));
 typedef float vec_u __attribute__((vector_size(VW * 4), aligned(4), may_alias)); /* unaligned access */
@@ -46,20 +47,23 @@ static inline float sumv(vec v) {
 
 #include <stdint.h>
 
-#define Q8_STEP 64  /* columns per step of the int8 dot products; kp is a multiple of it */
-#define Q8_NB 4     /* weight rows per block (products.Q8_NB) */
+#define Q8_STEP 64   /* columns of the int8 model's weights are padded with zeros to a multiple of it */
+#define Q8_PANEL 32  /* output features per packed panel (products.Q8_PANEL; w8a8.c has the layout) */
 #include <omp.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define Q8_VNNI 1
 #define Q8_OFFSET 128
-#define Q8_MB 6     /* 4 x 6 accumulators + 4 weight vectors + 1 input vector <= 32 registers */
+#define Q8_MB 12     /* rows per tile: 12 x 2 accumulators + 2 weight vectors + 1 broadcast <= 32 registers */
+#define Q8_TILE 2    /* 16-feature units per tile: a whole panel */
 #elif defined(__AVX2__)
 #define Q8_AVX2 1
 #define Q8_OFFSET 0
-#define Q8_MB 2
+#define Q8_MB 2      /* 2 x 4 accumulators + 4 weight vectors + 3 temporaries <= 16 registers */
+#define Q8_TILE 2    /* a whole panel (4 8-lane vectors) */
 #else
 #define Q8_OFFSET 0
 #define Q8_MB 2
+#define Q8_TILE 2
 #endif
 
 
@@ -68,15 +72,17 @@ static inline float sumv(vec v) {
 
 #define HIDDEN __attribute__((visibility("hidden")))
 
-/* gemm.c: the products */
+/* gemm.c: the float products; w8a8.c: the int8 model's */
 HIDDEN void mtpflow_small_gemm(const float *x, const float *w, const float *b, float *y, int M, int N, int K, int threads);
 HIDDEN void mtpflow_small_gemm_q8(const float *x, const signed char *wq, const float *scale, const float *b, float *y,
                            int M, int N, int K, int threads);
 HIDDEN void mtpflow_panel_gemm(const float *x, const float *panels, const float *b, float *y, int M, int N, int K,
                         int threads);
-/* a row x[K] as int8 (offset by Q8_OFFSET, zero past K up to kp); returns its scale */
+HIDDEN void mtpflow_q8_panel_gemm(const float *x, const signed char *qpanels, const float *scale, const float *b,
+                                  float *y, int M, int N, int K, int threads);
 HIDDEN int mtpflow_gemm_w8a8(const float *x, const signed char *q, const float *scale, const int32_t *wsum, float *y,
                              int M, int N, int K, int kp, int threads);
+/* a row x[K] as int8 (offset by Q8_OFFSET, zero past K up to kp); returns its scale */
 HIDDEN float mtpflow_quantize_row(const float *x, int K, int kp, unsigned char *xq);
 /* thread t of nt's share of a W8A8 product over quantized rows (see gemm.c) */
 HIDDEN void mtpflow_q8_part(int t, int nt, const unsigned char *xq, const float *sx, int M, const signed char *q,

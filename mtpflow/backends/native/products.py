@@ -20,10 +20,10 @@ import torch
 
 from mtpflow.backends.native import kernel
 
-PANEL = 64  # output features per panel (gemm.c)
-F32, PANELS, Q8, W8A8 = 0, 1, 2, 3  # MTPFLOW_LINEAR_* in gemm.c
+PANEL = 32  # output features per panel (gemm.c)
+F32, PANELS, Q8, W8A8, Q8_PANELS = 0, 1, 2, 3, 4  # MTPFLOW_LINEAR_* in gemm.c
 Q8_STEP = 64  # Q8_STEP in native.h: the int8 model's weight rows are padded with zeros to a multiple of it
-Q8_NB = 4  # Q8_NB in native.h: weight rows per packed block
+Q8_PANEL = 32  # Q8_PANEL in native.h: output features per packed panel
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -32,6 +32,15 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
     padded[:n] = weight.detach()
+    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_q8_panels(q: torch.Tensor) -> torch.Tensor:
+    """int8 weights [out, in] as the int8 panel kernel reads them (``pack_panels``' layout in int8: ceil(out / PANEL)
+    panels of in x PANEL, zero rows past ``out``)."""
+    n, k = q.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.int8)
+    padded[:n] = q
     return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
 
 
@@ -45,20 +54,32 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.contiguous()
 
 
+def packed_q8_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    """The shape ``pack_q8`` gives int8 weights [n, k]: [panels, kp / 4, Q8_PANEL, 4]."""
+    kp = -(-k // Q8_STEP) * Q8_STEP
+    return -(-n // Q8_PANEL), kp // 4, Q8_PANEL, 4
+
+
 def pack_q8(q: torch.Tensor) -> torch.Tensor:
-    """int8 weights [N, K] as the W8A8 kernel reads them: zero columns up to kp (a multiple of Q8_STEP), zero rows
-    up to a multiple of Q8_NB, each block of Q8_NB rows laid out [kp / Q8_STEP][Q8_NB][Q8_STEP] (so a block is one
-    sequential read). Returns [blocks, kp / Q8_STEP, Q8_NB, Q8_STEP]."""
+    """int8 weights [N, K] as the W8A8 kernel reads them (w8a8.c): zero columns up to kp (a multiple of Q8_STEP),
+    zero rows up to a multiple of Q8_PANEL, each panel of Q8_PANEL rows laid out [kp / 4][Q8_PANEL][4] (each
+    feature's four weights of a step side by side: one 32-bit lane per feature, a panel one sequential read).
+    Returns [panels, kp / 4, Q8_PANEL, 4]."""
     n, k = q.shape
-    kp, np_ = -(-k // Q8_STEP) * Q8_STEP, -(-n // Q8_NB) * Q8_NB
-    padded = torch.nn.functional.pad(q, (0, kp - k, 0, np_ - n))
-    return padded.view(np_ // Q8_NB, Q8_NB, kp // Q8_STEP, Q8_STEP).transpose(1, 2).contiguous()
+    panels, steps, width, four = packed_q8_shape(n, k)
+    padded = torch.nn.functional.pad(q, (0, steps * four - k, 0, panels * width - n))
+    return padded.view(panels, width, steps, four).transpose(1, 2).contiguous()
 
 
 def unpack_q8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
     """The weights [n, k] that ``pack_q8`` packed."""
-    blocks, steps, nb, step = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * nb, steps * step)[:n, :k]
+    return packed_q8_rows(packed, torch.arange(n))[:, :k]
+
+
+def packed_q8_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` [r] of a ``pack_q8`` weight, with their zero padding: [r, kp]."""
+    width = packed.shape[2]
+    return packed[ids // width, :, ids % width, :].reshape(ids.numel(), -1)
 
 
 def _run(lib: ctypes.CDLL | None, kind: int, x: torch.Tensor, n: int, bias: torch.Tensor | None = None,
@@ -96,6 +117,13 @@ def linear_int8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: tor
     """``F.linear(x, q * scale[:, None], bias)`` for float32 CPU ``x`` over int8 weights ``q`` [out, in] and
     float32 ``scale`` [out] (``quantize_int8``): the weight-only int8 kernel, every row count."""
     return _run(lib, Q8, x, q.shape[0], bias, q=q.data_ptr(), scale=scale.data_ptr())
+
+
+def linear_int8_panels(x: torch.Tensor, panels: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                       lib: ctypes.CDLL | None = None) -> torch.Tensor:
+    """``linear_int8`` over the panel copy of the int8 weight (``pack_q8_panels``; ``scale`` [out] gives the output
+    count): each weight read once for up to 12 rows (AVX-512), widened to floats once for all of them."""
+    return _run(lib, Q8_PANELS, x, int(scale.numel()), bias, q=panels.data_ptr(), scale=scale.data_ptr())
 
 
 def gemm_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, wsum: torch.Tensor, k: int,

@@ -16,7 +16,7 @@ def small_gemm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
-    """The weight [n, K] that ``products.pack_panels`` laid out as panels [ceil(n / 64), K, 64]."""
+    """The weight [n, K] that ``products.pack_panels`` laid out as panels [ceil(n / PANEL), K, PANEL]."""
     return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:n]
 
 
