@@ -6,6 +6,10 @@ in order); the engine takes them all and runs at most B at a time (continuous ba
 time from t = 0 to a request's last token; tokens/s counts each request's tokens up to its EOS. Token
 identity is checked against HF's batch-1 run (no padding). One engine serves every setting: its model, KV
 pool and batch cost model are loaded once.
+
+Over the int8 model (``overrides=[model.quantize=int8]``) HF ``generate`` runs on the float model, loaded
+beside it (the int8 model frees its float weights), and the engine's answers are checked against the int8
+reference's greedy (``mtpflow.backends.int8_reference``), as the decode bench does.
 """
 from __future__ import annotations
 
@@ -72,12 +76,20 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
         context.update(cfg=cfg, loaded=loaded)
     tokenizer = loaded.tokenizer
     prompts = [engine.prepare(Request(prompt=item["prompt"]))[0].prompt_ids for item in suite]
+    hf_model, engine_reference = loaded.model, None
+    if loaded.int8 is not None:
+        from mtpflow import backends
+        from mtpflow.model import load_configured
+
+        hf_model = load_configured(compose(["strategy=baseline", *common, "model.quantize=null"]).model).model
+        int8 = backends.int8_reference(loaded.int8)
+        engine_reference = [int8.greedy(p, int(opts.max_new_tokens), loaded.eos_token_ids) for p in prompts]
     n_new = int(opts.max_new_tokens)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else loaded.eos_token_ids[0]
     settings = [(name, "off") for name in opts.strategies]
     settings += [(name, "auto") for name in opts.strategies if name != "baseline" and "auto" in opts.batch_k]
     # warm-up (allocator, kernels, cost measurements) outside the timed runs
-    hf_batched(loaded.model, prompts[:2], 8, loaded.eos_token_ids, pad)
+    hf_batched(hf_model, prompts[:2], 8, loaded.eos_token_ids, pad)
     engine.batch_k = "auto"
     engine.generate([Request(prompt_ids=p, strategy=s, max_new_tokens=8) for p in prompts[:2]
                      for s, _ in settings])
@@ -87,7 +99,7 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
     for b in sizes:
         outputs, ends, t0 = [], [], time.perf_counter()
         for start in range(0, len(prompts), b):
-            chunk, _ = hf_batched(loaded.model, prompts[start:start + b], n_new, loaded.eos_token_ids, pad)
+            chunk, _ = hf_batched(hf_model, prompts[start:start + b], n_new, loaded.eos_token_ids, pad)
             outputs += chunk
             ends += [time.perf_counter() - t0] * len(chunk)
         total = time.perf_counter() - t0
@@ -107,7 +119,9 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
             total = time.perf_counter() - t0
             steps = sum(r.stats["verify_forwards"] for r in results)
             mal = (sum(r.stats["new_tokens"] for r in results) - len(results)) / max(steps, 1)
-            rows.append(_row(b, name, batch_k, [r.token_ids for r in results], ends, total, reference, mal=mal))
+            rows.append(_row(b, name, batch_k, [r.token_ids for r in results], ends, total,
+                             engine_reference or reference, mal=mal,
+                             against="int8_reference" if engine_reference else "hf_generate"))
             bar.update()
     bar.close()
     df = pd.DataFrame(rows)
@@ -116,13 +130,13 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
     return df
 
 
-def _row(batch_size, setting, batch_k, outputs, ends, total, reference, mal):
+def _row(batch_size, setting, batch_k, outputs, ends, total, reference, mal, against="hf_generate"):
     tokens = sum(len(o) for o in outputs)
     identical = None if reference is None else sum(o == r for o, r in zip(outputs, reference)) / len(outputs)
     return {"batch_size": batch_size, "setting": setting if batch_k in ("-", "off") else f"{setting}+batch_k",
             "tokens": tokens, "seconds": round(total, 3), "tokens_per_second": round(tokens / total, 2),
             "latency_p50": round(percentile(ends, 0.5), 3), "latency_p95": round(percentile(ends, 0.95), 3),
-            "mal": round(mal, 3), "identical_to_hf": identical}
+            "mal": round(mal, 3), "identical_to_hf": identical, "reference": against}
 
 
 def plot_batch(df, path) -> None:

@@ -177,3 +177,21 @@ def test_batch_mode_measures_first_time_requests(tiny_dir, tmp_path):
     first = table[(table["setting"] == "suffix_cache") & (table["batch_size"] == 1)]["mal"].iloc[0]
     # the same prompts again at batch 2 (and with batch K) would draft whole outputs from a kept cache
     assert table[table["setting"].str.startswith("suffix_cache")]["mal"].max() < first + 1.0
+
+
+def test_batch_mode_over_the_int8_model_checks_the_int8_reference(tiny_dir, tmp_path):
+    """mode=batch over the int8 model: HF generate runs on the float model loaded beside it, and the engine's
+    answers equal the int8 reference's greedy (they need not equal HF's)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"id": f"x{i}", "class": "a", "prompt": p}) for i, p in enumerate(
+        ["one two three four five six", "def add(a, b): return a + b"])))
+    out = tmp_path / "out"
+    code = bench.main([f"model={tiny_dir}", "mode=batch", f"prompts={prompts}", "strategies=[baseline,pld]",
+                       "batch_sizes=[2]", "batch_k=[off]", "max_new_tokens=12",
+                       "overrides=[chat=false,model.quantize=int8]", f"out={out}"])
+    assert code == 0
+    table = pd.read_csv(out / "batch_summary.csv")
+    engine_rows = table[table["setting"] != "hf_generate"]
+    assert list(engine_rows["reference"]) == ["int8_reference", "int8_reference"]
+    assert (engine_rows["identical_to_hf"] == 1.0).all()
+    assert table[table["setting"] == "hf_generate"]["reference"].iloc[0] == "hf_generate"
