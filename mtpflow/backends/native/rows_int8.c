@@ -16,6 +16,50 @@
 typedef float fvec8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef double dvec8 __attribute__((vector_size(64)));
 
+/* The attention below: the queries that read the same keys and values (the rows of one sequence's verify, times
+ * the query heads that share a key / value head) go together, so each key and value is read once for all of them
+ * from memory, widened to double once per block of keys. Its sums run in double, where each product of two
+ * floats is exact, so a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the
+ * file's rule above is for the float operations that must round as torch's do). */
+#define KEYS 8  /* keys per block of scores: one vector of 8 sums */
+#define WEIGH 3  /* queries whose weighted values are summed together: 3 x 64 values in registers */
+
+/* the softmax of one query's scores s[0, n) in place (exponentials VW at a time, a padded copy for the last few:
+ * the same vexp for every entry); returns 1 / their sum */
+static float softmax_exact(float *s, int n, float softcap) {
+    typedef double dvecw __attribute__((vector_size(VW * 8)));
+    if (softcap != 0.0f) softcap_scores(s, n, softcap);
+    const vec none = splat(-INFINITY);
+    vec mv = none;
+    int t = 0;
+    for (; t + VW <= n; t += VW) mv = select_lt(mv, loadv(s + t), loadv(s + t), mv);
+    float m = -INFINITY;
+    for (int i = 0; i < VW; i++)
+        if (mv[i] > m) m = mv[i];
+    for (; t < n; t++)
+        if (s[t] > m) m = s[t];
+    dvecw total = {0};
+    for (t = 0; t < n; t += VW) {
+        vec v;
+        const int c = n - t < VW ? n - t : VW;
+        if (c == VW) v = loadv(s + t);
+        else for (int i = 0; i < VW; i++) v[i] = i < c ? s[t + i] : -INFINITY;
+        const ivec masked = (ivec)(v == none);
+        const vec e = (vec)((ivec)vexp(v - m) & ~masked);  /* a masked score's weight is 0 */
+        total += __builtin_convertvector(e, dvecw);
+        if (c == VW) storev(s + t, e);
+        else for (int i = 0; i < c; i++) s[t + i] = e[i];
+    }
+    double sum = 0.0;  /* the sum in double, rounded once: its order does not matter (int8_reference.py) */
+    for (int i = 0; i < VW; i++) sum += total[i];
+    return 1.0f / (float)sum;
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
 /* sum_i a[i] b[i] in double (8 lanes, then the lanes; each product exact in double) */
 static inline double dot_exact(const float *a, const float *b, int d) {
     dvec8 acc = {0};
@@ -27,75 +71,136 @@ static inline double dot_exact(const float *a, const float *b, int d) {
     return s;
 }
 
-/* o[8 lanes] = float(sum_t s[t] v[t]) * inv for 8 * lanes values of rows of ``stride`` floats (lanes a constant
- * after inlining: every output lane in registers, one pass over the values) */
-static inline __attribute__((always_inline)) void weigh_values(const float *s, const float *values, int n, int stride,
-                                                               const int lanes, float inv, float *o) {
-    dvec8 acc[16];
-    for (int g = 0; g < lanes; g++) acc[g] = (dvec8){0};
-    for (int t = 0; t < n; t++) {
-        const double w = s[t];
-        if (w == 0.0) continue;
-        const float *vt = values + (size_t)t * stride;
-        for (int g = 0; g < lanes; g++) acc[g] += w * __builtin_convertvector(*(const fvec8 *)(vt + 8 * g), dvec8);
-    }
-    for (int g = 0; g < lanes; g++)
-        for (int e = 0; e < 8; e++) o[8 * g + e] = (float)acc[g][e] * inv;
+/* a set of queries over the same keys / values: query qi = (row qi / g, head qi % g) */
+struct queries {
+    const float *q;       /* query (row 0, head 0); rows qrow floats apart, heads d */
+    float *s, *o;         /* scores (row 0, head 0): rows srow apart, heads sh; outputs: rows orow apart, heads d */
+    const unsigned char *own;  /* row 0's mask over the new entries; rows mrow apart */
+    int rows, g;
+    size_t qrow, srow, sh, orow, mrow;
+};
+
+static inline const float *query_at(const struct queries *Q, int qi, int d) {
+    return Q->q + (size_t)(qi / Q->g) * Q->qrow + (size_t)(qi % Q->g) * d;
 }
 
-static void attend_exact(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0,
-                         int n, int d, float scale, float softcap, float *s, float *o) {
-    float m = -INFINITY;
-    int t = 0;
-    if (d % 8 == 0) {  /* four keys at a time: four independent sums */
-        for (; t + 4 <= n0; t += 4) {
-            const float *k0 = keys + (size_t)t * d;
-            dvec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int i = 0; i < d; i += 8) {
-                const dvec8 qv = __builtin_convertvector(*(const fvec8 *)(qh + i), dvec8);
-                a0 += qv * __builtin_convertvector(*(const fvec8 *)(k0 + i), dvec8);
-                a1 += qv * __builtin_convertvector(*(const fvec8 *)(k0 + d + i), dvec8);
-                a2 += qv * __builtin_convertvector(*(const fvec8 *)(k0 + 2 * d + i), dvec8);
-                a3 += qv * __builtin_convertvector(*(const fvec8 *)(k0 + 3 * d + i), dvec8);
+static inline float *scores_at(const struct queries *Q, int qi) {
+    return Q->s + (size_t)(qi / Q->g) * Q->srow + (size_t)(qi % Q->g) * Q->sh;
+}
+
+static inline float *out_at(const struct queries *Q, int qi, int d) {
+    return Q->o + (size_t)(qi / Q->g) * Q->orow + (size_t)(qi % Q->g) * d;
+}
+
+/* the lanes of 8 vectors summed into one: out[e] = sum of v[e]'s lanes */
+static inline dvec8 lane_sums(const dvec8 v[8]) {
+    dvec8 c[4], e[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* every query's scores float(q . k) * scale against keys [0, n0 - n0 % KEYS) (d % 8 == 0, d <= 256): each block of
+ * KEYS keys widened to double once (kd: scratch of KEYS * d doubles) for all the queries */
+static void block_scores(const struct queries *Q, const float *keys, int n0, int d, float scale, double *kd) {
+    const int dv = d / 8, nq = Q->rows * Q->g;
+    for (int t = 0; t + KEYS <= n0; t += KEYS) {
+        for (int e = 0; e < KEYS; e++)
+            for (int i = 0; i < dv; i++)
+                *(dvec8 *)(kd + ((size_t)i * KEYS + e) * 8) =
+                    __builtin_convertvector(*(const fvec8 *)(keys + (size_t)(t + e) * d + 8 * i), dvec8);
+        for (int qi = 0; qi < nq; qi++) {
+            const float *q = query_at(Q, qi, d);
+            dvec8 acc[KEYS];
+            for (int e = 0; e < KEYS; e++) acc[e] = (dvec8){0};
+            for (int i = 0; i < dv; i++) {
+                const dvec8 qv = __builtin_convertvector(*(const fvec8 *)(q + 8 * i), dvec8);
+                const dvec8 *k = (const dvec8 *)(kd + (size_t)i * KEYS * 8);
+                for (int e = 0; e < KEYS; e++) acc[e] += qv * k[e];
             }
-            const dvec8 *acc[4] = {&a0, &a1, &a2, &a3};
-            for (int e = 0; e < 4; e++) {
-                const dvec8 v = *acc[e];
-                s[t + e] = (float)(((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))) * scale;
-            }
+            const dvec8 sums = lane_sums(acc);
+            float *s = scores_at(Q, qi) + t;
+            for (int e = 0; e < KEYS; e++) s[e] = (float)sums[e] * scale;
         }
-    }
-    for (; t < n; t++) {
-        if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
-        s[t] = (float)dot_exact(qh, keys + (size_t)t * d, d) * scale;
-    }
-    if (softcap != 0.0f) softcap_scores(s, n, softcap);
-    for (t = 0; t < n; t++)
-        if (s[t] > m) m = s[t];
-    /* exponentials VW at a time (a padded copy for the last few): the same vexp for every entry */
-    double total = 0.0;
-    for (int t = 0; t < n; t += VW) {
-        vec v;
-        const int c = n - t < VW ? n - t : VW;
-        for (int i = 0; i < VW; i++) v[i] = i < c ? s[t + i] - m : -INFINITY;
-        const vec e = vexp(v);
-        for (int i = 0; i < c; i++) {
-            s[t + i] = s[t + i] == -INFINITY ? 0.0f : e[i];
-            total += s[t + i];
-        }
-    }
-    const float inv = 1.0f / (float)total;
-    if (d % 128 == 0) {  /* 128 values at a time (each value's sum in the same order whatever the chunks) */
-        for (int c = 0; c < d; c += 128) weigh_values(s, values + c, n, d, 16, inv, o + c);
-        return;
-    }
-    if (d == 64) { weigh_values(s, values, n, d, 8, inv, o); return; }
-    for (int i = 0; i < d; i++) {
-        double acc = 0.0;
-        for (t = 0; t < n; t++) acc += (double)s[t] * values[(size_t)t * d + i];
-        o[i] = (float)acc * inv;
     }
 }
+
+/* o = float(sum_t s[t] v[t][c .. c + 64)) * inv for g <= WEIGH queries (scores s[j], outputs o[j]) and one chunk
+ * of 64 values: each value widened once for the g queries, every output lane in registers */
+static inline __attribute__((always_inline)) void weigh(float *const *s, const float *values, int n, int d, int c,
+                                                        const int g, const float *inv, float *const *o) {
+    dvec8 acc[WEIGH][8];
+    for (int j = 0; j < g; j++)
+        for (int i = 0; i < 8; i++) acc[j][i] = (dvec8){0};
+    for (int t = 0; t < n; t++) {
+        double w[WEIGH];
+        int any = 0;
+        for (int j = 0; j < g; j++) { w[j] = s[j][t]; any |= w[j] != 0.0; }
+        if (!any) continue;
+        const float *vt = values + (size_t)t * d + c;
+        for (int i = 0; i < 8; i++) {
+            const dvec8 v = __builtin_convertvector(*(const fvec8 *)(vt + 8 * i), dvec8);
+            for (int j = 0; j < g; j++) acc[j][i] += w[j] * v;
+        }
+    }
+    for (int j = 0; j < g; j++)
+        for (int i = 0; i < 8; i++)
+            for (int e = 0; e < 8; e++) o[j][c + 8 * i + e] = (float)acc[j][i][e] * inv[j];
+}
+
+/* the attention of queries Q over keys / values [n][d], of which the first n0 are visible to every query and the
+ * rest only where the query row's own[t - n0]. kd: scratch of KEYS * d doubles; inv: scratch of rows * g floats.
+ * The vector paths take d % 64 == 0 (scores: d % 8 == 0, d <= 256); other sizes the scalar loops. */
+static void attend_exact(const struct queries *Q, const float *keys, const float *values, int n0, int n, int d,
+                         float scale, float softcap, double *kd, float *inv) {
+    const int nq = Q->rows * Q->g;
+    int from = 0;
+    if (d % 8 == 0 && d <= 256) {
+        block_scores(Q, keys, n0, d, scale, kd);
+        from = n0 - n0 % KEYS;
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        float *s = scores_at(Q, qi);
+        const float *q = query_at(Q, qi, d);
+        const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
+        for (int t = from; t < n; t++) {
+            if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
+            s[t] = (float)dot_exact(q, keys + (size_t)t * d, d) * scale;
+        }
+        inv[qi] = softmax_exact(s, n, softcap);
+    }
+    if (d % 64 == 0) {
+        for (int j = 0; j < nq; j += WEIGH) {
+            const int g = nq - j < WEIGH ? nq - j : WEIGH;
+            float *s[WEIGH], *o[WEIGH];
+            for (int e = 0; e < g; e++) { s[e] = scores_at(Q, j + e); o[e] = out_at(Q, j + e, d); }
+            for (int c = 0; c < d; c += 64) {
+                if (g == 3) weigh(s, values, n, d, c, 3, inv + j, o);
+                else if (g == 2) weigh(s, values, n, d, c, 2, inv + j, o);
+                else weigh(s, values, n, d, c, 1, inv + j, o);
+            }
+        }
+        return;
+    }
+    for (int qi = 0; qi < nq; qi++) {
+        const float *s = scores_at(Q, qi);
+        float *o = out_at(Q, qi, d);
+        for (int i = 0; i < d; i++) {
+            double acc = 0.0;
+            for (int t = 0; t < n; t++) acc += (double)s[t] * values[(size_t)t * d + i];
+            o[i] = (float)acc * inv[qi];
+        }
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
 
 /* The arguments of mtpflow_w8a8_rows, versioned as mtpflow_rows_args is (MTPFLOW_W8A8_ABI; mirrored once in
  * kernel.W8A8Args). The rows and the optional parts of a layer are described as for mtpflow_llama_rows; the weights
@@ -188,20 +293,25 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     int longest = 1;
     for (int r = 0; r < M; r++)
         if (a->prefix[r] + a->count[r] > longest) longest = a->prefix[r] + a->count[r];
-    const size_t floats = (size_t)M * (2 * H + nqkv + nq + 3 * (size_t)I) + (size_t)M * nh * longest + M;
+    const int teams = a->threads > 1 ? a->threads : 1;  /* per-thread scratch: the attention's runs and sums */
+    const size_t floats = (size_t)M * (2 * H + nqkv + nq + 3 * (size_t)I) + (size_t)M * nh * longest + M +
+                          (size_t)teams * ((size_t)M * nh + 2 * M + 1);
     char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max + (size_t)M * a->qmax);
     if (!buf) return -1;
     float *x = (float *)buf, *tmp = x + (size_t)M * H, *qkv = tmp + (size_t)M * H,
           *att = qkv + (size_t)M * nqkv, *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I,
-          *scores = act + (size_t)M * I, *sx = scores + (size_t)M * nh * longest;
-    unsigned char *xq = (unsigned char *)(sx + M), *own = xq + (size_t)M * kp_max;  /* own: a window's own mask */
+          *scores = act + (size_t)M * I, *sx = scores + (size_t)M * nh * longest, *invs = sx + M;
+    int *ints = (int *)(invs + (size_t)teams * M * nh);
+    unsigned char *xq = (unsigned char *)(ints + (size_t)teams * (2 * M + 1)), *own = xq + (size_t)M * kp_max;  /* own: a window's own mask */
     struct spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(a->threads)
     {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
-    /* this thread's rows [r0, r1) and (row, head) pairs [p0, p1) */
+    /* this thread's rows [r0, r1) */
     const int r0 = (int)((long)M * t / nt), r1 = (int)((long)M * (t + 1) / nt);
-    const int p0 = (int)((long)M * nh * t / nt), p1 = (int)((long)M * nh * (t + 1) / nt);
+    double kd[KEYS * 256];
+    int *const lo = ints + (size_t)t * (2 * M + 1), *const runs = lo + M;  /* this thread's: each row's window start */
+    float *const inv = invs + (size_t)t * M * nh;
     const struct team team = {&barrier, t, nt, r0, r1};
     for (int r = r0; r < r1; r++) {  /* the first layer's norm; each later one follows its residual below */
         rmsnorm(h + (size_t)r * H, a->ln1[0], a->eps, x + (size_t)r * H, H);
@@ -224,14 +334,43 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                        own + (size_t)r * a->qmax);
         }
         spin_wait(&barrier, nt);
-        for (int p = p0; p < p1; p++) {
-            const int r = p / nh, j = p % nh;
-            const int lo = window_start(w, w ? a->pos[r] : 0, a->prefix[r]);
-            const size_t base = a->slot[r] * slot_stride + (size_t)(j / group) * a->cap * d + (size_t)lo * d;
-            const unsigned char *mask = (w ? own : a->allowed) + (size_t)r * a->qmax;
-            attend_exact(qkv + (size_t)r * nqkv + (size_t)j * d, a->kc[l] + base, a->vc[l] + base, mask,
-                         a->prefix[r] - lo, a->prefix[r] + a->count[r] - lo, d, a->scale, a->softcap,
-                         scores + (size_t)p * longest, att + (size_t)r * nq + (size_t)j * d);
+        /* the attention, in units a thread each: a unit is a run of rows that see the same keys (one sequence's
+         * slot, prefix, new entries and window start) times gb query heads that share key / value head jk. The
+         * runs split into segments of seg rows, and the groups into gb heads, until every thread has two units */
+        int nr = 0;
+        for (int r = 0; r < M; r++) {
+            lo[r] = window_start(w, w ? a->pos[r] : 0, a->prefix[r]);
+            if (r == 0 || a->slot[r] != a->slot[r - 1] || a->prefix[r] != a->prefix[r - 1] ||
+                a->count[r] != a->count[r - 1] || lo[r] != lo[r - 1])
+                runs[nr++] = r;
+        }
+        runs[nr] = M;
+        int seg = 1, gb = group, units = 0;
+        for (int i = 0; i < nr; i++)
+            if (runs[i + 1] - runs[i] > seg) seg = runs[i + 1] - runs[i];
+        for (;;) {
+            units = 0;
+            for (int i = 0; i < nr; i++) units += (runs[i + 1] - runs[i] + seg - 1) / seg * nkv * ((group + gb - 1) / gb);
+            if (units >= 2 * nt || (seg == 1 && gb == 1)) break;
+            if (seg > 1) seg = (seg + 1) / 2;
+            else gb = (gb + 1) / 2;
+        }
+        const int parts = (group + gb - 1) / gb, u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
+        for (int u = u0, i = 0, before = 0; u < u1; u++) {
+            int per = (runs[i + 1] - runs[i] + seg - 1) / seg * nkv * parts;
+            while (u >= before + per) { before += per; i++; per = (runs[i + 1] - runs[i] + seg - 1) / seg * nkv * parts; }
+            const int local = u - before, ra = runs[i] + local / (nkv * parts) * seg;
+            const int rb = ra + seg < runs[i + 1] ? ra + seg : runs[i + 1];
+            const int jk = local / parts % nkv, h0 = jk * group + local % parts * gb;
+            const int g = group - local % parts * gb < gb ? group - local % parts * gb : gb;
+            const size_t base = a->slot[ra] * slot_stride + (size_t)jk * a->cap * d + (size_t)lo[ra] * d;
+            const struct queries Q = {
+                .q = qkv + (size_t)ra * nqkv + (size_t)h0 * d, .s = scores + ((size_t)ra * nh + h0) * longest,
+                .o = att + (size_t)ra * nq + (size_t)h0 * d, .own = (w ? own : a->allowed) + (size_t)ra * a->qmax,
+                .rows = rb - ra, .g = g, .qrow = (size_t)nqkv, .srow = (size_t)nh * longest, .sh = (size_t)longest,
+                .orow = (size_t)nq, .mrow = (size_t)a->qmax};
+            attend_exact(&Q, a->kc[l] + base, a->vc[l] + base, a->prefix[ra] - lo[ra],
+                         a->prefix[ra] + a->count[ra] - lo[ra], d, a->scale, a->softcap, kd, inv);
         }
         spin_wait(&barrier, nt);
         for (int r = r0; r < r1; r++)
