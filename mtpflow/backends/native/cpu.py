@@ -28,6 +28,8 @@ certified head belong to this object.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -40,6 +42,7 @@ from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.description import describe, fused_bias, not_described
 from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, optional, prefill_through,
                                           tap_outputs, verify_through)
+from mtpflow.backends.native.threads import GOVERNOR
 
 
 def not_applicable(model, dtypes=(torch.float32,)) -> str | None:
@@ -405,11 +408,13 @@ class _RowSpec:
         h = backend.description.embedding(rows.ids).contiguous()
         normed = torch.empty_like(h)
         members, tapped, held = call_members(rows, backend.description.rope, self.rope_keys, taps, h)
+        threads, start = GOVERNOR.threads(), time.perf_counter()
         code = kernel.llama_rows(backend.lib, h=h.data_ptr(), normed=normed.data_ptr(), **members, **self.dims,
                                  **self.weights, **self.copies(), **self.constants,
                                  **(self.int8() if int8 else self.panels(members["M"])),
                                  window=None if self.window is None else self.window.data_ptr(), kc=keys, vc=values,
-                                 cap=pool.capacity, threads=torch.get_num_threads())
+                                 cap=pool.capacity, threads=threads)
+        GOVERNOR.observe(backend, members["M"], time.perf_counter() - start, threads)
         if code != 0:
             raise MemoryError("mtpflow_llama_rows: out of memory")
         del held

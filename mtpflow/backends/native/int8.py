@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import time
 
 import torch
 
@@ -26,6 +27,7 @@ from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
 from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, optional, prefill_through,
                                           tap_outputs, verify_through)
+from mtpflow.backends.native.threads import GOVERNOR
 from mtpflow.errors import UserError
 
 # the weights an int8 model is made from: a model too large for the memory in float32 loads in bfloat16
@@ -140,12 +142,14 @@ class NativeInt8Backend(Backend):
         m = members["M"]
         head = self.w.head
         logits = None if head_from is None else torch.empty(m - head_from, head.n)
+        threads, start = GOVERNOR.threads(), time.perf_counter()
         code = kernel.w8a8_rows(
             self.lib, h=h.data_ptr(), normed=normed.data_ptr(), **members, **{**self._dims, "L": layers or self._dims["L"]},
             **self._arrays, norm_w=self.w.norm.data_ptr(), window=None if self._window is None else self._window.data_ptr(),
-            kc=keys, vc=values, cap=pool.capacity, threads=torch.get_num_threads(), head_q=head.q.data_ptr(),
+            kc=keys, vc=values, cap=pool.capacity, threads=threads, head_q=head.q.data_ptr(),
             head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n, head_from=head_from or 0,
             logits=None if logits is None else logits.data_ptr())
+        GOVERNOR.observe(self, m, time.perf_counter() - start, threads)
         if code != 0:
             raise MemoryError("mtpflow_w8a8_rows: out of memory")
         del held
