@@ -10,6 +10,7 @@ import pytest
 import torch
 
 os.environ.setdefault("MTPFLOW_LOAD_PLUGINS", "")  # tests load no third-party plugin unless they ask
+os.environ.setdefault("MTPFLOW_ADAPT_THREADS", "0")  # the thread count stays torch's: references and kernels alike
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 from helpers import tiny_loaded  # noqa: E402
