@@ -18,7 +18,7 @@ from mtpflow.errors import UserError
 from mtpflow.model import load_configured
 from mtpflow.plugins.manager import build_stages, default_run_plugins
 from mtpflow.request import Request, encode_prompt
-from mtpflow.types import DecodeResult, StepRecord
+from mtpflow.types import DecodeResult, StepRecord, strategy_label
 
 # Factories called once per run to add run-level plugins (trace recorder, metrics); see ``add_run_plugin``.
 RunPluginFactory = Callable[["Pipeline"], object]
@@ -33,20 +33,24 @@ class Pipeline:
     def __init__(self, cfg: DictConfig, run_plugins: tuple[RunPluginFactory, ...] = (), loaded=None,
                  engine: Engine | None = None):
         validate(cfg)
-        if cfg.get("k") is not None:
-            selector = cfg.strategy.get("select_k")
-            if selector is None or "k" not in selector:
-                raise UserError(f"k= does not apply to strategy {cfg.strategy.get('name')!r}: its K selector "
-                                "has no k parameter (see its strategy.select_k settings)")
-            cfg = cfg.copy()
-            OmegaConf.update(cfg, "strategy.select_k.k", int(cfg.k))
-        self.cfg = cfg
         build_stages(cfg.strategy)  # validate every stage's parameters before the (slow) model load
         if engine is None:
             m = cfg.model
             # ``loaded`` lets tests and the playground hand in a model that is already in memory
             loaded = loaded or load_configured(m)
             engine = Engine(cfg, loaded=loaded)
+        # a strategy chosen by measurement (mtp) runs the candidate the engine's tuning profile names
+        strategy = engine.resolve_strategy(cfg.strategy)
+        if strategy is not cfg.strategy or cfg.get("k") is not None:
+            cfg = cfg.copy()
+            cfg.strategy = strategy
+        if cfg.get("k") is not None:
+            selector = cfg.strategy.get("select_k")
+            if selector is None or "k" not in selector:
+                raise UserError(f"k= does not apply to strategy {strategy_label(cfg.strategy)!r}: its K selector "
+                                "has no k parameter (see its strategy.select_k settings)")
+            OmegaConf.update(cfg, "strategy.select_k.k", int(cfg.k))
+        self.cfg = cfg
         self.engine = engine
         self.loaded = engine.loaded
         self.run_plugins = list(run_plugins)
@@ -60,7 +64,8 @@ class Pipeline:
 
     @property
     def strategy_name(self) -> str:
-        return str(self.cfg.strategy.get("name", "?"))
+        """The strategy as runs name it: ``pld``, or ``mtp -> suffix_cache`` for one chosen by measurement."""
+        return strategy_label(self.cfg.strategy)
 
     @property
     def tokenizer(self):
@@ -85,7 +90,7 @@ class Pipeline:
             prompt = read_prompt(cfg)
         return Request(
             prompt=None if prompt_ids is not None else prompt,
-            prompt_ids=prompt_ids, strategy=self.strategy_name, temperature=effective_temperature(cfg),
+            prompt_ids=prompt_ids, strategy=str(self.cfg.strategy.get("name", "?")), temperature=effective_temperature(cfg),
             top_p=float(cfg.top_p), top_k=int(cfg.top_k), max_new_tokens=int(cfg.max_new_tokens),
             stop=list(stop_strings(cfg)), seed=int(cfg.seed), chat=bool(cfg.chat),
             system_prompt=cfg.get("system_prompt"),

@@ -24,6 +24,7 @@ import atexit
 import collections
 import itertools
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -44,6 +45,7 @@ from mtpflow.plugins.manager import build_stages, default_run_plugins, make_plug
 from mtpflow.prefix_cache import PrefixKVCache
 from mtpflow.request import Prepared, Request, apply_overrides, resolve_request
 from mtpflow.shared import SharedState
+from mtpflow.strategy_choice import resolve_choice
 from mtpflow.target import prefill_many
 from mtpflow.types import DecodeResult
 
@@ -301,6 +303,8 @@ class Engine:
         self.shared = SharedState()  # state shared on purpose across requests (a suffix cache, calibration)
         self.pool = self.backend.make_pool(self.max_batch_size)
         self._base_config = to_container(cfg)
+        self._notices: set[str] = set()  # what resolve_strategy has said (each line once per engine)
+        self._strategies[self.default_strategy] = self.resolve_strategy(cfg.strategy)
         self._queue: collections.deque[RequestHandle] = collections.deque()
         self._running: list[tuple[Sequence, RequestHandle]] = []
         self._lock = threading.Condition()
@@ -335,8 +339,19 @@ class Engine:
             if name not in self._strategies:
                 if not isinstance(name, str) or name not in available_strategies():
                     raise UserError(f"unknown strategy {name!r}; available: {', '.join(available_strategies())}")
-                self._strategies[name] = compose([f"strategy={name}"]).strategy
+                self._strategies[name] = self.resolve_strategy(compose([f"strategy={name}"]).strategy)
             return self._strategies[name]
+
+    def resolve_strategy(self, strategy: DictConfig) -> DictConfig:
+        """``strategy`` as it runs on this engine: one chosen by measurement (``mtp``) becomes the candidate the
+        tuning profile names for this model, backend and precision, else its default with one notice line on
+        standard error (``mtpflow.strategy_choice``); any other comes back as it is."""
+        node, notice = resolve_choice(strategy, self.loaded, self.backend, self._base_config.get("model") or {},
+                                      build_stages, self.cfg.get("profile"))
+        if notice is not None and notice not in self._notices:
+            self._notices.add(notice)
+            print(notice, file=sys.stderr, flush=True)
+        return node
 
     def prepare(self, request: Request, strategy_config: DictConfig | None = None) -> tuple[Prepared, Any]:
         """Check a request (one UserError line for any mistake) and build its stages' plugin manager."""

@@ -7,7 +7,8 @@ The profile (written by ``python -m mtpflow.tune``, or by the first run that nee
 
     {"version": 1,
      "host": {"cpu": "AMD EPYC", "flags": ["avx2", ...], "cores": 2, "threads": 2, "torch": "2.13.0+cpu"},
-     "entries": {KEY: {"verify": {CONTEXT: {K: seconds}}, "batch": {CONTEXT: [[B, q, seconds], ...]}}},
+     "entries": {KEY: {"verify": {CONTEXT: {K: seconds}}, "batch": {CONTEXT: [[B, q, seconds], ...]},
+                       "choice": {STRATEGY: {"chosen": CANDIDATE, "tokens_per_second": {CANDIDATE: t}, ...}}}},
      "fallback": KEY}                  # optional: the entry that serves any key the file lacks
 
 It lives at ``cache_dir()/profiles/<cpu>-x<threads>-torch<version>.json``, or where ``MTPFLOW_PROFILE`` or the config
@@ -76,6 +77,10 @@ def _check_entry(entry) -> str | None:
     verify, batch = entry.get("verify", {}), entry.get("batch", {})
     if not isinstance(verify, dict) or not isinstance(batch, dict):
         return "an entry's verify or batch is not an object"
+    choice = entry.get("choice", {})
+    if not isinstance(choice, dict) or not all(isinstance(c, dict) and isinstance(c.get("chosen"), str)
+                                               for c in choice.values()):
+        return "an entry's choice is not {strategy: {chosen: strategy name, ...}}"
     for context, curve in verify.items():
         if not (str(context).isdigit() and isinstance(curve, dict) and "0" in curve
                 and all(str(k).isdigit() and _positive(v) for k, v in curve.items())):

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from mtpflow.errors import ConfigError, UserError, check_int, check_k, check_range, check_seconds
-from mtpflow.types import RunContext, SamplingParams, hidden_taps
+from mtpflow.types import RunContext, SamplingParams, hidden_taps, strategy_label
 
 
 @dataclass
@@ -226,7 +226,7 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
     settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
                 "seed": seed, "chat": chat, "stop": list(stop), "system_prompt": system_prompt}
     context = RunContext(
-        prompt=prompt, prompt_tokens=ids, strategy=str(strategy.get("name", request.strategy or "?")),
+        prompt=prompt, prompt_tokens=ids, strategy=strategy_label(strategy) if strategy.get("name") else str(request.strategy or "?"),
         model_id=loaded.model_id, device=str(loaded.device), max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature, top_k, top_p), seed=seed, tokenizer=tokenizer, model=loaded.model,
     )

@@ -27,7 +27,9 @@ class SharedState:
         with self._lock:
             return sorted(self._items)
 
-    def clear(self) -> None:
-        """Forget every shared object (the next request starts them afresh); requests running keep theirs."""
+    def clear(self, keep: Callable[[str], bool] | None = None) -> None:
+        """Forget every shared object (the next request starts them afresh), but those whose name ``keep`` holds
+        true for; requests running keep theirs."""
         with self._lock:
-            self._items.clear()
+            for name in [n for n in self._items if keep is None or not keep(n)]:
+                del self._items[name]

@@ -287,6 +287,14 @@ class DecodeResult:
     run_id: int | None = None
 
 
+def strategy_label(strategy) -> str:
+    """How runs, stats and traces name a strategy node: its ``name``, and for one chosen by measurement
+    (``mtpflow.strategy_choice``) the candidate that runs as well: ``mtp -> suffix_cache``."""
+    name = str(strategy.get("name", "?"))
+    chosen = strategy.get("chosen")
+    return f"{name} -> {chosen}" if chosen else name
+
+
 # ----- what a strategy asks of the forwards: read from its config when a request is checked, so checking one
 # needs no forward module
 def hidden_taps(model, spec) -> tuple[int, ...]:

@@ -255,8 +255,9 @@ def finish_reason(stop_reason: str | None) -> str:
 
 
 def mtpflow_field(strategy: str, stats: dict) -> dict:
-    """The run's figures: MAL, accepted draft tokens, the trace run id (null with trace=off) and why it stopped."""
-    return {"strategy": strategy, "mal": stats.get("mal"), "accepted_tokens": stats.get("accepted_tokens"),
+    """The run's figures: MAL, accepted draft tokens, the trace run id (null with trace=off) and why it stopped;
+    ``runs`` names what decoded (``mtp -> suffix_cache`` for a strategy chosen by measurement, else the strategy)."""
+    return {"strategy": strategy, "runs": stats.get("strategy") or strategy, "mal": stats.get("mal"), "accepted_tokens": stats.get("accepted_tokens"),
             "verify_forwards": stats.get("verify_forwards"), "stop_reason": stats.get("stop_reason"),
             "trace_run_id": stats.get("trace_run_id")}
 

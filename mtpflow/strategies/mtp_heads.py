@@ -227,6 +227,15 @@ class MTPHeadsProposer:
 
             self.suffix = SuffixDrafter(where="strategy.propose.suffix", **_graft_options("suffix", suffix))
 
+    def unavailable(self, model_config: dict) -> str | None:
+        """Why these heads cannot draft for the model ``model_config`` (the config's ``model`` node) describes, or
+        None: a strategy chosen by measurement (``mtpflow.strategy_choice``) leaves such a candidate out."""
+        try:
+            resolve_heads(self.heads_path, model_config or {}, self.kind)
+        except UserError as exc:
+            return str(exc)
+        return None
+
     @hookimpl
     def on_run_start(self, context):
         config = context.config or {}

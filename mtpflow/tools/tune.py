@@ -2,7 +2,8 @@
 model and backend, and write it to the tuning profile (``mtpflow.host``): the verify-cost curve of one sequence's
 forward by draft length, K = 0..32 (``cost_model.CURVE_KS``; for sequences that read logits, and for greedy ones
 that read only the argmax where the backend has a cheaper head for them) and the batch grid of the engine's shared
-forward. ``shape=1b|3b|8b`` measures the curve of a random Llama of that size instead (``tools.tune_shape``). Runs read the profile;
+forward; with ``strategy=mtp`` (a strategy chosen by measurement) it also times mtp's candidates and stores the
+winner (``tools.tune_choice``). ``shape=1b|3b|8b`` measures the curve of a random Llama of that size instead (``tools.tune_shape``). Runs read the profile;
 one that finds no entry measures it once, with a one-line notice.
 
 Hydra overrides as for ``python -m mtpflow``: ``model.name=``, ``model.backend=``, ``model.dtype=``, ``strategy=``
@@ -19,7 +20,8 @@ USAGE = """usage: python -m mtpflow.tune [key=value ...]
   default model) and writes them to the tuning profile, which every later run reads.
 
   model.name=ID|PATH   model.backend=auto|hf|native_cpu   model.dtype=...   (as for python -m mtpflow)
-  strategy=NAME        also measure the strategy's own cost_context / auto_ks
+  strategy=NAME        also measure the strategy's own cost_context / auto_ks; strategy=mtp also times mtp's
+                       candidates (a few minutes) and stores the fastest lossless one, which strategy=mtp runs
   profile=PATH         the profile file to write (default: $MTPFLOW_PROFILE, else one per host in the cache)
 
   shape=1b|3b|8b       instead: the verify-cost curve (K = 0..32) of a random Llama 3 of that size, float32 and
@@ -126,6 +128,7 @@ def measure(argv: list[str]) -> int:
     from mtpflow.cost_model import profile_setting
     from mtpflow.engine import Engine
     from mtpflow.host import check_named_profile
+    from mtpflow.strategy_choice import choice_settings
 
     if any(a.startswith("shape=") for a in argv):
         from mtpflow.tools import tune_shape
@@ -134,9 +137,18 @@ def measure(argv: list[str]) -> int:
     cfg = compose(argv)
     validate(cfg)
     check_named_profile(profile_setting(cfg))  # a damaged or foreign named profile: one line, before the load
-    with Engine(cfg, run_plugins=()) as engine:
+    choosing = choice_settings(cfg.strategy)
+    engine_cfg = cfg
+    if choosing is not None:  # the engine runs the default, not a choice it is about to measure (and no notice)
+        engine_cfg = cfg.copy()
+        engine_cfg.strategy = compose([f"strategy={choosing[1]}"]).strategy
+    with Engine(engine_cfg, run_plugins=()) as engine:
         result = tune(engine, cfg)
         print(format_report(result, engine.backend, engine.loaded.model_id))
+        if choosing is not None:
+            from mtpflow.tools.tune_choice import format_choice, measure_choice
+
+            print(format_choice(measure_choice(engine, cfg)))
     return 0
 
 
