@@ -90,7 +90,8 @@ class Pipeline:
             prompt = read_prompt(cfg)
         return Request(
             prompt=None if prompt_ids is not None else prompt,
-            prompt_ids=prompt_ids, strategy=str(self.cfg.strategy.get("name", "?")), temperature=effective_temperature(cfg),
+            prompt_ids=prompt_ids, strategy=str(self.cfg.strategy.get("name", "?")),
+            temperature=effective_temperature(cfg),
             top_p=float(cfg.top_p), top_k=int(cfg.top_k), max_new_tokens=int(cfg.max_new_tokens),
             stop=list(stop_strings(cfg)), seed=int(cfg.seed), chat=bool(cfg.chat),
             system_prompt=cfg.get("system_prompt"),

@@ -226,7 +226,8 @@ def resolve_request(request: Request, cfg: DictConfig, strategy: DictConfig, loa
     settings = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "max_new_tokens": max_new_tokens,
                 "seed": seed, "chat": chat, "stop": list(stop), "system_prompt": system_prompt}
     context = RunContext(
-        prompt=prompt, prompt_tokens=ids, strategy=strategy_label(strategy) if strategy.get("name") else str(request.strategy or "?"),
+        prompt=prompt, prompt_tokens=ids,
+        strategy=strategy_label(strategy) if strategy.get("name") else str(request.strategy or "?"),
         model_id=loaded.model_id, device=str(loaded.device), max_new_tokens=max_new_tokens,
         sampling=SamplingParams(temperature, top_k, top_p), seed=seed, tokenizer=tokenizer, model=loaded.model,
     )

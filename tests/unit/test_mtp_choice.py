@@ -89,7 +89,8 @@ def test_without_a_stored_choice_mtp_runs_suffix_cache_with_one_notice(tiny, eng
     # an engine says it once, however many pipelines and requests ask for mtp
     mtp_pipeline(engine)(prompt_ids=PROMPTS[1])
     (line,) = [x for x in capsys.readouterr().err.splitlines() if x.startswith("mtpflow: no measured")]
-    assert line.startswith(NOTICE_START) and "running suffix_cache" in line and "python -m mtpflow.tune strategy=mtp" in line
+    assert line.startswith(NOTICE_START) and "running suffix_cache" in line
+    assert "python -m mtpflow.tune strategy=mtp" in line
 
 
 @pytest.mark.parametrize("chosen, why", [("nonexistent", "is not one of its candidates"),

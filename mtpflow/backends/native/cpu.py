@@ -414,7 +414,7 @@ class _RowSpec:
                                  **(self.int8() if int8 else self.panels(members["M"])),
                                  window=None if self.window is None else self.window.data_ptr(), kc=keys, vc=values,
                                  cap=pool.capacity, threads=threads)
-        GOVERNOR.observe(backend, members["M"], time.perf_counter() - start, threads)
+        GOVERNOR.observe(backend, members["M"], time.perf_counter() - start, threads, kind=int8)
         if code != 0:
             raise MemoryError("mtpflow_llama_rows: out of memory")
         del held

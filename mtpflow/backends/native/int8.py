@@ -149,7 +149,7 @@ class NativeInt8Backend(Backend):
             kc=keys, vc=values, cap=pool.capacity, threads=threads, head_q=head.q.data_ptr(),
             head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n, head_from=head_from or 0,
             logits=None if logits is None else logits.data_ptr())
-        GOVERNOR.observe(self, m, time.perf_counter() - start, threads)
+        GOVERNOR.observe(self, m, time.perf_counter() - start, threads, kind=layers)
         if code != 0:
             raise MemoryError("mtpflow_w8a8_rows: out of memory")
         del held
