@@ -11,22 +11,24 @@
 /* The int8 model's decoder stack (model.quantize=int8): mtpflow_w8a8_rows; gemm.c describes its numerics and
  * computes its products. */
 #include <omp.h>
+#include <stdint.h>
 #include "rows_common.h"
 
 typedef float fvec8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef double dvec8 __attribute__((vector_size(64)));
 
-/* The attention below: the queries that read the same keys and values (the rows of one sequence's verify, times
- * the query heads that share a key / value head) go together, so each key and value is read once for all of them
- * from memory, widened to double once per block of keys. Its sums run in double, where each product of two
- * floats is exact, so a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the
- * file's rule above is for the float operations that must round as torch's do). */
+/* The attention below: the queries that read the same keys and values (rows of one sequence's verify, times the
+ * query heads that share a key / value head) go together, so each key and value is read once for all of them from
+ * memory and widened to double once per key or value block. Its sums run in double, where each product of two floats
+ * is exact, so a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the file's rule
+ * above is for the float operations that must round as torch's do). */
 #define KEYS 8  /* keys per block of scores: one vector of 8 sums */
-#define WEIGH 3  /* queries whose weighted values are summed together: 3 x 64 values in registers */
+#define WEIGH 6  /* queries whose weighted values are summed together: 3 x 64 or 6 x 32 values in 24 registers */
+#define CHUNK 8  /* the most vectors of 8 values in one chunk of the weighted sum */
 
-/* the softmax of one query's scores s[0, n) in place (exponentials VW at a time, a padded copy for the last few:
- * the same vexp for every entry); returns 1 / their sum */
-static float softmax_exact(float *s, int n, float softcap) {
+/* the softmax of one query's scores s[0, n): its weights, float exponentials widened, into e[0, n) (exponentials VW
+ * at a time, a padded copy for the last few: the same vexp for every entry); returns 1 / their sum */
+static float softmax_exact(float *s, int n, float softcap, double *e) {
     typedef double dvecw __attribute__((vector_size(VW * 8)));
     if (softcap != 0.0f) softcap_scores(s, n, softcap);
     const vec none = splat(-INFINITY);
@@ -45,10 +47,10 @@ static float softmax_exact(float *s, int n, float softcap) {
         if (c == VW) v = loadv(s + t);
         else for (int i = 0; i < VW; i++) v[i] = i < c ? s[t + i] : -INFINITY;
         const ivec masked = (ivec)(v == none);
-        const vec e = (vec)((ivec)vexp(v - m) & ~masked);  /* a masked score's weight is 0 */
-        total += __builtin_convertvector(e, dvecw);
-        if (c == VW) storev(s + t, e);
-        else for (int i = 0; i < c; i++) s[t + i] = e[i];
+        const dvecw w = __builtin_convertvector((vec)((ivec)vexp(v - m) & ~masked), dvecw);  /* masked: weight 0 */
+        total += w;
+        if (c == VW) __builtin_memcpy(e + t, &w, sizeof w);
+        else for (int i = 0; i < c; i++) e[t + i] = w[i];
     }
     double sum = 0.0;  /* the sum in double, rounded once: its order does not matter (int8_reference.py) */
     for (int i = 0; i < VW; i++) sum += total[i];
@@ -61,13 +63,13 @@ static float softmax_exact(float *s, int n, float softcap) {
 #endif
 
 /* sum_i a[i] b[i] in double (8 lanes, then the lanes; each product exact in double) */
-static inline double dot_exact(const float *a, const float *b, int d) {
+static inline double dot_exact(const double *a, const float *b, int d) {
     dvec8 acc = {0};
     int i = 0;
     for (; i + 8 <= d; i += 8)
-        acc += __builtin_convertvector(*(const fvec8 *)(a + i), dvec8) * __builtin_convertvector(*(const fvec8 *)(b + i), dvec8);
+        acc += *(const dvec8 *)(a + i) * __builtin_convertvector(*(const fvec8 *)(b + i), dvec8);
     double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < d; i++) s += (double)a[i] * b[i];
+    for (; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
@@ -105,95 +107,148 @@ static inline dvec8 lane_sums(const dvec8 v[8]) {
            __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* every query's scores float(q . k) * scale against keys [0, n0 - n0 % KEYS) (d % 8 == 0, d <= 256): each block of
- * KEYS keys widened to double once (kd: scratch of KEYS * d doubles) for all the queries */
-static void block_scores(const struct queries *Q, const float *keys, int n0, int d, float scale, double *kd) {
+/* float(sums) * scale into s[0, KEYS) */
+static inline void store_scores(float *s, dvec8 sums, float scale) {
+    const fvec8 f = __builtin_convertvector(sums, fvec8) * scale;
+    __builtin_memcpy(s, &f, sizeof f);
+}
+
+/* every query's scores float(q . k) * scale against keys [0, n0 - n0 % KEYS) (d % 8 == 0, d <= 256), the queries
+ * widened already (qd: query qi at qi * d): each block of KEYS keys widened to double once (kd: scratch of KEYS * d
+ * doubles) for all the queries, two queries at a time sharing each load of a key */
+static void block_scores(const struct queries *Q, const double *qd, const float *keys, int n0, int d, float scale,
+                         double *kd) {
     const int dv = d / 8, nq = Q->rows * Q->g;
     for (int t = 0; t + KEYS <= n0; t += KEYS) {
         for (int e = 0; e < KEYS; e++)
             for (int i = 0; i < dv; i++)
                 *(dvec8 *)(kd + ((size_t)i * KEYS + e) * 8) =
                     __builtin_convertvector(*(const fvec8 *)(keys + (size_t)(t + e) * d + 8 * i), dvec8);
-        for (int qi = 0; qi < nq; qi++) {
-            const float *q = query_at(Q, qi, d);
-            dvec8 acc[KEYS];
-            for (int e = 0; e < KEYS; e++) acc[e] = (dvec8){0};
+        int qi = 0;
+        for (; qi + 2 <= nq; qi += 2) {
+            const double *q0 = qd + (size_t)qi * d, *q1 = q0 + d;
+            dvec8 a0[KEYS], a1[KEYS];
+            for (int e = 0; e < KEYS; e++) a0[e] = a1[e] = (dvec8){0};
             for (int i = 0; i < dv; i++) {
-                const dvec8 qv = __builtin_convertvector(*(const fvec8 *)(q + 8 * i), dvec8);
+                const dvec8 u0 = *(const dvec8 *)(q0 + 8 * i), u1 = *(const dvec8 *)(q1 + 8 * i);
                 const dvec8 *k = (const dvec8 *)(kd + (size_t)i * KEYS * 8);
-                for (int e = 0; e < KEYS; e++) acc[e] += qv * k[e];
+                for (int e = 0; e < KEYS; e++) { a0[e] += u0 * k[e]; a1[e] += u1 * k[e]; }
             }
-            const dvec8 sums = lane_sums(acc);
-            float *s = scores_at(Q, qi) + t;
-            for (int e = 0; e < KEYS; e++) s[e] = (float)sums[e] * scale;
+            store_scores(scores_at(Q, qi) + t, lane_sums(a0), scale);
+            store_scores(scores_at(Q, qi + 1) + t, lane_sums(a1), scale);
+        }
+        if (qi < nq) {
+            const double *q0 = qd + (size_t)qi * d;
+            dvec8 a0[KEYS];
+            for (int e = 0; e < KEYS; e++) a0[e] = (dvec8){0};
+            for (int i = 0; i < dv; i++) {
+                const dvec8 u0 = *(const dvec8 *)(q0 + 8 * i);
+                const dvec8 *k = (const dvec8 *)(kd + (size_t)i * KEYS * 8);
+                for (int e = 0; e < KEYS; e++) a0[e] += u0 * k[e];
+            }
+            store_scores(scores_at(Q, qi) + t, lane_sums(a0), scale);
         }
     }
 }
 
-/* o = float(sum_t s[t] v[t][c .. c + 64)) * inv for g <= WEIGH queries (scores s[j], outputs o[j]) and one chunk
- * of 64 values: each value widened once for the g queries, every output lane in registers */
-static inline __attribute__((always_inline)) void weigh(float *const *s, const float *values, int n, int d, int c,
-                                                        const int g, const float *inv, float *const *o) {
-    dvec8 acc[WEIGH][8];
+/* o = float(sum_t e[j][t] v[t][c .. c + 8 nv)) * inv for g <= WEIGH queries (weights e[j], outputs o[j]) and one
+ * chunk of nv <= CHUNK vectors of values: each value widened once for the g queries, every output lane in registers.
+ * A weight of 0 (a masked entry) is summed like any other, as the reference's product of matrices sums it. */
+static inline __attribute__((always_inline)) void weigh(const double *const *e, const float *values, int n, int d,
+                                                        int c, const int g, const int nv, const float *inv,
+                                                        float *const *o) {
+    dvec8 acc[WEIGH][CHUNK];
     for (int j = 0; j < g; j++)
-        for (int i = 0; i < 8; i++) acc[j][i] = (dvec8){0};
+        for (int i = 0; i < nv; i++) acc[j][i] = (dvec8){0};
     for (int t = 0; t < n; t++) {
-        double w[WEIGH];
-        int any = 0;
-        for (int j = 0; j < g; j++) { w[j] = s[j][t]; any |= w[j] != 0.0; }
-        if (!any) continue;
         const float *vt = values + (size_t)t * d + c;
-        for (int i = 0; i < 8; i++) {
-            const dvec8 v = __builtin_convertvector(*(const fvec8 *)(vt + 8 * i), dvec8);
-            for (int j = 0; j < g; j++) acc[j][i] += w[j] * v;
+        dvec8 v[CHUNK];
+        for (int i = 0; i < nv; i++) v[i] = __builtin_convertvector(*(const fvec8 *)(vt + 8 * i), dvec8);
+        for (int j = 0; j < g; j++) {
+            const double w = e[j][t];
+            for (int i = 0; i < nv; i++) acc[j][i] += w * v[i];
         }
     }
     for (int j = 0; j < g; j++)
-        for (int i = 0; i < 8; i++)
-            for (int e = 0; e < 8; e++) o[j][c + 8 * i + e] = (float)acc[j][i][e] * inv[j];
+        for (int i = 0; i < nv; i++) {
+            const fvec8 f = __builtin_convertvector(acc[j][i], fvec8) * inv[j];
+            __builtin_memcpy(o[j] + c + 8 * i, &f, sizeof f);
+        }
 }
+
+/* weigh for g in 1..WEIGH queries over the values [c, d): the counts constants in each call, so the accumulators
+ * stay in registers. Up to 3 queries take 64 values a chunk (each row of values read whole, in order, as a one-row
+ * step streams them), more take 32. */
+static void weigh_chunks(const double *const *e, const float *values, int n, int d, int g, const float *inv,
+                         float *const *o) {
+    int c = 0;
+#define WEIGH_G(G, NV)                                                       \
+    case G:                                                                  \
+        for (; c + 8 * NV <= d; c += 8 * NV) weigh(e, values, n, d, c, G, NV, inv, o); \
+        break;
+    switch (g) {
+        WEIGH_G(1, 8) WEIGH_G(2, 8) WEIGH_G(3, 8) WEIGH_G(4, 4) WEIGH_G(5, 4) WEIGH_G(6, 4)
+    }
+#undef WEIGH_G
+    for (; c < d; c += 8)  /* what is left of d (d % 8 == 0): a vector at a time */
+        switch (g) {
+        case 1: weigh(e, values, n, d, c, 1, 1, inv, o); break;
+        case 2: weigh(e, values, n, d, c, 2, 1, inv, o); break;
+        case 3: weigh(e, values, n, d, c, 3, 1, inv, o); break;
+        case 4: weigh(e, values, n, d, c, 4, 1, inv, o); break;
+        case 5: weigh(e, values, n, d, c, 5, 1, inv, o); break;
+        default: weigh(e, values, n, d, c, 6, 1, inv, o);
+        }
+}
+
+/* per-thread scratch of the attention: kd (KEYS * 256 doubles), qd (a unit's queries widened: queries * d doubles),
+ * ed (their weights: queries * n doubles), inv (queries floats) */
+struct att_scratch {
+    double *kd, *qd, *ed;
+    float *inv;
+};
 
 /* the attention of queries Q over keys / values [n][d], of which the first n0 are visible to every query and the
- * rest only where the query row's own[t - n0]. kd: scratch of KEYS * d doubles; inv: scratch of rows * g floats.
- * The vector paths take d % 64 == 0 (scores: d % 8 == 0, d <= 256); other sizes the scalar loops. */
+ * rest only where the query row's own[t - n0]. The vector paths take d % 8 == 0 (scores: d <= 256); other sizes
+ * the scalar loops. */
 static void attend_exact(const struct queries *Q, const float *keys, const float *values, int n0, int n, int d,
-                         float scale, float softcap, double *kd, float *inv) {
+                         float scale, float softcap, const struct att_scratch *w) {
     const int nq = Q->rows * Q->g;
+    for (int qi = 0; qi < nq; qi++) {
+        const float *q = query_at(Q, qi, d);
+        for (int i = 0; i < d; i++) w->qd[(size_t)qi * d + i] = q[i];
+    }
     int from = 0;
     if (d % 8 == 0 && d <= 256) {
-        block_scores(Q, keys, n0, d, scale, kd);
+        block_scores(Q, w->qd, keys, n0, d, scale, w->kd);
         from = n0 - n0 % KEYS;
     }
     for (int qi = 0; qi < nq; qi++) {
         float *s = scores_at(Q, qi);
-        const float *q = query_at(Q, qi, d);
         const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
         for (int t = from; t < n; t++) {
             if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
-            s[t] = (float)dot_exact(q, keys + (size_t)t * d, d) * scale;
+            s[t] = (float)dot_exact(w->qd + (size_t)qi * d, keys + (size_t)t * d, d) * scale;
         }
-        inv[qi] = softmax_exact(s, n, softcap);
+        w->inv[qi] = softmax_exact(s, n, softcap, w->ed + (size_t)qi * n);
     }
-    if (d % 64 == 0) {
+    if (d % 8 == 0) {
         for (int j = 0; j < nq; j += WEIGH) {
             const int g = nq - j < WEIGH ? nq - j : WEIGH;
-            float *s[WEIGH], *o[WEIGH];
-            for (int e = 0; e < g; e++) { s[e] = scores_at(Q, j + e); o[e] = out_at(Q, j + e, d); }
-            for (int c = 0; c < d; c += 64) {
-                if (g == 3) weigh(s, values, n, d, c, 3, inv + j, o);
-                else if (g == 2) weigh(s, values, n, d, c, 2, inv + j, o);
-                else weigh(s, values, n, d, c, 1, inv + j, o);
-            }
+            const double *e[WEIGH];
+            float *o[WEIGH];
+            for (int i = 0; i < g; i++) { e[i] = w->ed + (size_t)(j + i) * n; o[i] = out_at(Q, j + i, d); }
+            weigh_chunks(e, values, n, d, g, w->inv + j, o);
         }
         return;
     }
     for (int qi = 0; qi < nq; qi++) {
-        const float *s = scores_at(Q, qi);
+        const double *e = w->ed + (size_t)qi * n;
         float *o = out_at(Q, qi, d);
         for (int i = 0; i < d; i++) {
             double acc = 0.0;
-            for (int t = 0; t < n; t++) acc += (double)s[t] * values[(size_t)t * d + i];
-            o[i] = (float)acc * inv[qi];
+            for (int t = 0; t < n; t++) acc += e[t] * values[(size_t)t * d + i];
+            o[i] = (float)acc * w->inv[qi];
         }
     }
 }
@@ -290,14 +345,22 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     const int nq = nh * d, nk = nkv * d, group = nh / nkv, nqkv = nq + 2 * nk;
     const int kp_max = a->kp_h > a->kp_q ? (a->kp_h > a->kp_i ? a->kp_h : a->kp_i) : (a->kp_q > a->kp_i ? a->kp_q : a->kp_i);
     const size_t slot_stride = (size_t)nkv * a->cap * d;
-    int longest = 1;
-    for (int r = 0; r < M; r++)
+    int longest = 1, widest = 1;  /* the longest row's keys; the most rows that see the same keys */
+    for (int r = 0, run = 0; r < M; r++) {
         if (a->prefix[r] + a->count[r] > longest) longest = a->prefix[r] + a->count[r];
+        run = r && a->slot[r] == a->slot[r - 1] && a->prefix[r] == a->prefix[r - 1] && a->count[r] == a->count[r - 1]
+                  ? run + 1 : 1;
+        if (run > widest) widest = run;
+    }
     const int teams = a->threads > 1 ? a->threads : 1;  /* per-thread scratch: the attention's runs and sums */
     const size_t floats = (size_t)M * (2 * H + nqkv + nq + 3 * (size_t)I) + (size_t)M * nh * longest + M +
                           (size_t)teams * ((size_t)M * nh + 2 * M + 1);
+    /* each thread's attention scratch (struct att_scratch), 64-byte aligned: a unit has at most widest x group
+     * queries */
+    const size_t unit_q = (size_t)widest * group, doubles = KEYS * 256 + unit_q * (d + longest) + 8;
     char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max + (size_t)M * a->qmax);
-    if (!buf) return -1;
+    double *att_buf = malloc((size_t)teams * doubles * sizeof(double) + 64);
+    if (!buf || !att_buf) { free(buf); free(att_buf); return -1; }
     float *x = (float *)buf, *tmp = x + (size_t)M * H, *qkv = tmp + (size_t)M * H,
           *att = qkv + (size_t)M * nqkv, *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I,
           *scores = act + (size_t)M * I, *sx = scores + (size_t)M * nh * longest, *invs = sx + M;
@@ -309,9 +372,10 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     const int nt = omp_get_num_threads(), t = omp_get_thread_num();
     /* this thread's rows [r0, r1) */
     const int r0 = (int)((long)M * t / nt), r1 = (int)((long)M * (t + 1) / nt);
-    double kd[KEYS * 256];
+    double *const mine = (double *)(((uintptr_t)(att_buf + (size_t)t * doubles) + 63) & ~(uintptr_t)63);
+    const struct att_scratch scratch = {mine, mine + KEYS * 256, mine + KEYS * 256 + unit_q * d,
+                                        invs + (size_t)t * M * nh};
     int *const lo = ints + (size_t)t * (2 * M + 1), *const runs = lo + M;  /* this thread's: each row's window start */
-    float *const inv = invs + (size_t)t * M * nh;
     const struct team team = {&barrier, t, nt, r0, r1};
     for (int r = r0; r < r1; r++) {  /* the first layer's norm; each later one follows its residual below */
         rmsnorm(h + (size_t)r * H, a->ln1[0], a->eps, x + (size_t)r * H, H);
@@ -334,9 +398,10 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                        own + (size_t)r * a->qmax);
         }
         spin_wait(&barrier, nt);
-        /* the attention, in units a thread each: a unit is a run of rows that see the same keys (one sequence's
-         * slot, prefix, new entries and window start) times gb query heads that share key / value head jk. The
-         * runs split into segments of seg rows, and the groups into gb heads, until every thread has two units */
+        /* the attention. Its queries, in the order (run, key / value head jk, row, head of jk's group), split evenly
+         * among the threads; a run is rows that see the same keys (one sequence's slot, prefix, new entries and
+         * window start). A thread's share goes in units of whole rows x the group's heads, with a part of a row where
+         * the share starts or ends inside one: each unit reads its keys and values once */
         int nr = 0;
         for (int r = 0; r < M; r++) {
             lo[r] = window_start(w, w ? a->pos[r] : 0, a->prefix[r]);
@@ -345,32 +410,31 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                 runs[nr++] = r;
         }
         runs[nr] = M;
-        int seg = 1, gb = group, units = 0;
-        for (int i = 0; i < nr; i++)
-            if (runs[i + 1] - runs[i] > seg) seg = runs[i + 1] - runs[i];
-        for (;;) {
-            units = 0;
-            for (int i = 0; i < nr; i++) units += (runs[i + 1] - runs[i] + seg - 1) / seg * nkv * ((group + gb - 1) / gb);
-            if (units >= 2 * nt || (seg == 1 && gb == 1)) break;
-            if (seg > 1) seg = (seg + 1) / 2;
-            else gb = (gb + 1) / 2;
-        }
-        const int parts = (group + gb - 1) / gb, u0 = (int)((long)units * t / nt), u1 = (int)((long)units * (t + 1) / nt);
-        for (int u = u0, i = 0, before = 0; u < u1; u++) {
-            int per = (runs[i + 1] - runs[i] + seg - 1) / seg * nkv * parts;
-            while (u >= before + per) { before += per; i++; per = (runs[i + 1] - runs[i] + seg - 1) / seg * nkv * parts; }
-            const int local = u - before, ra = runs[i] + local / (nkv * parts) * seg;
-            const int rb = ra + seg < runs[i + 1] ? ra + seg : runs[i + 1];
-            const int jk = local / parts % nkv, h0 = jk * group + local % parts * gb;
-            const int g = group - local % parts * gb < gb ? group - local % parts * gb : gb;
-            const size_t base = a->slot[ra] * slot_stride + (size_t)jk * a->cap * d + (size_t)lo[ra] * d;
-            const struct queries Q = {
-                .q = qkv + (size_t)ra * nqkv + (size_t)h0 * d, .s = scores + ((size_t)ra * nh + h0) * longest,
-                .o = att + (size_t)ra * nq + (size_t)h0 * d, .own = (w ? own : a->allowed) + (size_t)ra * a->qmax,
-                .rows = rb - ra, .g = g, .qrow = (size_t)nqkv, .srow = (size_t)nh * longest, .sh = (size_t)longest,
-                .orow = (size_t)nq, .mrow = (size_t)a->qmax};
-            attend_exact(&Q, a->kc[l] + base, a->vc[l] + base, a->prefix[ra] - lo[ra],
-                         a->prefix[ra] + a->count[ra] - lo[ra], d, a->scale, a->softcap, kd, inv);
+        const long q0 = (long)M * nh * t / nt, q1 = (long)M * nh * (t + 1) / nt;
+        for (int i = 0; i < nr; i++) {
+            const int len = runs[i + 1] - runs[i];
+            const long first = (long)runs[i] * nh;  /* the run's first query */
+            for (int jk = 0; jk < nkv; jk++) {
+                const long a0 = first + (long)jk * len * group, a1 = a0 + (long)len * group;
+                long u = a0 > q0 ? a0 : q0;
+                const long end = a1 < q1 ? a1 : q1;
+                while (u < end) {
+                    const int row = (int)((u - a0) / group), hh = (int)((u - a0) % group);
+                    int rows = 1, g = group - hh;
+                    if (hh == 0 && end - u >= group) rows = (int)((end - u) / group);
+                    else if (end - u < g) g = (int)(end - u);
+                    const int ra = runs[i] + row, h0 = jk * group + hh;
+                    const size_t base = a->slot[ra] * slot_stride + (size_t)jk * a->cap * d + (size_t)lo[ra] * d;
+                    const struct queries Q = {
+                        .q = qkv + (size_t)ra * nqkv + (size_t)h0 * d, .s = scores + ((size_t)ra * nh + h0) * longest,
+                        .o = att + (size_t)ra * nq + (size_t)h0 * d, .own = (w ? own : a->allowed) + (size_t)ra * a->qmax,
+                        .rows = rows, .g = g, .qrow = (size_t)nqkv, .srow = (size_t)nh * longest, .sh = (size_t)longest,
+                        .orow = (size_t)nq, .mrow = (size_t)a->qmax};
+                    attend_exact(&Q, a->kc[l] + base, a->vc[l] + base, a->prefix[ra] - lo[ra],
+                                 a->prefix[ra] + a->count[ra] - lo[ra], d, a->scale, a->softcap, &scratch);
+                    u += (long)rows * g;
+                }
+            }
         }
         spin_wait(&barrier, nt);
         for (int r = r0; r < r1; r++)
@@ -411,5 +475,6 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     }
     }
     free(buf);
+    free(att_buf);
     return 0;
 }
