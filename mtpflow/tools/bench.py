@@ -10,6 +10,7 @@ speedup vs HF, MAL, forward passes per token, token identity), a CSV and a PNG c
     python -m mtpflow.bench mode=soak minutes=30 clients=16   # the server for 30 minutes: memory, p99, traces
     python -m mtpflow.bench prompts=PATH/question.jsonl limit=8 turns=1   # Spec-Bench's own file (specbench.py)
     python -m mtpflow.bench "strategies=[baseline,pld]" "peers=[vllm,llamacpp]"  # peers' rows (peers.py)
+    python -m mtpflow.bench mode=batch batch_sizes=[16] "peers=[vllm]"   # the peers at the same batch sizes
 
 Every mode writes ``manifest.json`` beside its CSVs and PNGs (``mtpflow.tools.manifest``): commit, command,
 host, libraries, model; ``python -m mtpflow.tools.tables`` builds the docs' tables from a run's files.
@@ -374,8 +375,8 @@ def check_options(opts) -> None:
         raise UserError(f"backends must be both, hf or native_cpu, got {opts.backends!r}")
     opts.turns = specbench.check_turns(opts.turns)
     opts.peers = peers.check_names(opts.peers or [])
-    if opts.peers and opts.mode != "decode":
-        raise UserError(f"peers= adds rows to the decode benchmark; mode={opts.mode} does not run them")
+    if opts.peers and opts.mode not in ("decode", "batch"):
+        raise UserError(f"peers= adds rows to the decode and batch benchmarks; mode={opts.mode} does not run them")
 
 
 def model_name(opts) -> str | None:
@@ -462,17 +463,38 @@ def run_cost_mode(opts, out: Path, argv: list[str]) -> int:
     return 0
 
 
-def run_batch_mode(opts, out: Path, argv: list[str], suite: list[dict]) -> int:
+def run_batch_mode(opts, out: Path, argv: list[str], suite: list[dict], checked: dict | None = None,
+                   gguf=None) -> int:
+    """``mode=batch``'s run and files; ``checked`` peers run after mtpflow at each batch size on the same prompt
+    ids, their rows in the same table (total tokens/s; no latencies: a peer reports its total time only)."""
+    import pandas as pd
+
     from mtpflow.tools.bench_batch import plot_batch, run_batch_bench
 
     context: dict = {}
     table = run_batch_bench(opts, lambda *_: suite, context=context)
+    record = None
+    if checked:
+        from mtpflow.model import resolve_source
+        from mtpflow.tools import peers
+
+        folder = resolve_source(model_name(opts), None)[0] if "vllm" in checked else None
+        rows, record = peers.run_batch_peers(
+            checked, context["prompts"], sorted({int(b) for b in opts.batch_sizes}), context["hf_outputs"],
+            context["reference"], max_tokens=int(opts.max_new_tokens), stop_ids=context["eos_token_ids"],
+            threads=torch.get_num_threads(), model_folder=folder, gguf=gguf, log_dir=out)
+        if rows:
+            hf = table[table["setting"] == "hf_generate"].set_index("batch_size")["tokens_per_second"]
+            extra = pd.DataFrame(rows)
+            extra["vs_hf_batched"] = [round(r.tokens_per_second / hf[r.batch_size], 3) for r in extra.itertuples()]
+            table = pd.concat([table, extra], ignore_index=True)
     table.to_csv(out / "batch_summary.csv", index=False)
     plot_batch(table, out / "batch_throughput.png")
     print(table.to_string(index=False))
     settings = {**settings_of(opts), "prompt_count": len(suite)}
     path = write_manifest(out, "batch", argv, ["batch_summary.csv", "batch_throughput.png"], cfg=context.get("cfg"),
-                          loaded=context.get("loaded"), settings=settings)
+                          loaded=context.get("loaded"), settings=settings,
+                          extra={"peers": record} if record is not None else None)
     print(f"\nwrote {out / 'batch_summary.csv'}, {out / 'batch_throughput.png'} and {path}")
     return 0
 
@@ -556,7 +578,7 @@ def main(argv=None) -> int:
         if opts.mode == "cost":
             return run_cost_mode(opts, out, argv)
         if opts.mode == "batch":
-            return run_batch_mode(opts, out, argv, suite)
+            return run_batch_mode(opts, out, argv, suite, checked, gguf)
         return run_decode_mode(opts, out, argv, suite, checked, gguf)
     except UserError as exc:
         print(f"mtpflow.bench: error: {exc}", file=sys.stderr)

@@ -53,7 +53,8 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
     """Per batch size: HF ``generate`` batched (left padding, greedy) over the suite, then every strategy
     (without and with the batch-aware K) through one engine at that ``max_batch_size``. State shared across
     requests is cleared before each setting, so every figure is for first-time requests. ``context`` (a dict)
-    receives the engine's config and loaded model, for the run's manifest."""
+    receives the engine's config and loaded model, for the run's manifest, and the prompt ids and HF's answers,
+    for the peers' runs."""
     import pandas as pd
     from tqdm import tqdm
 
@@ -95,6 +96,7 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
                      for s, _ in settings])
     rows = []
     reference: list[list[int]] | None = None
+    hf_outputs: dict[int, list[list[int]]] = {}  # batch size -> HF's outputs at it (the peers' rows compare)
     bar = tqdm(total=len(sizes) * (1 + len(settings)), desc="batch bench", unit="run", file=sys.stderr)
     for b in sizes:
         outputs, ends, t0 = [], [], time.perf_counter()
@@ -105,6 +107,7 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
         total = time.perf_counter() - t0
         if reference is None and b == 1:
             reference = outputs
+        hf_outputs[b] = outputs
         rows.append(_row(b, "hf_generate", "-", outputs, ends, total, reference, mal=1.0))
         bar.update()
         for name, batch_k in settings:
@@ -124,6 +127,9 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
                              against="int8_reference" if engine_reference else "hf_generate"))
             bar.update()
     bar.close()
+    if context is not None:  # what the peers' runs need (mode=batch peers=[...]): the same prompts and answers
+        context.update(prompts=[p.tolist() for p in prompts], hf_outputs=hf_outputs, reference=reference,
+                       eos_token_ids=list(loaded.eos_token_ids))
     df = pd.DataFrame(rows)
     hf = df[df["setting"] == "hf_generate"].set_index("batch_size")["tokens_per_second"]
     df["vs_hf_batched"] = [round(r.tokens_per_second / hf[r.batch_size], 3) for r in df.itertuples()]

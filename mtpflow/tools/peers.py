@@ -192,20 +192,43 @@ def throughput_row(label: str, result: dict, units: list[dict]) -> dict:
             "forwards_per_token": None, "identical": f"{same}/{len(ids)}", "lookup_ceiling_mal": None}
 
 
+def _peer_record(ready: dict) -> dict:
+    """The manifest's entry for a peer: its version, python and variable; its runs filled in as they end."""
+    return {"version": ready.get("version"), "python": ready["python"], "variable": ready["variable"], "runs": {}}
+
+
+def _run_reported(name: str, ready: dict, job: dict, log_dir: Path, runs: dict) -> dict | None:
+    """One run with a progress bar; its result, or None when it failed (the warning on stderr, the error in
+    ``runs`` under the run's label): mtpflow's own results are never lost to a peer's crash."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(job["prompts"]), desc=job["label"], unit="prompt", file=sys.stderr)
+
+    def advance(event):
+        bar.n = int(event.get("done", bar.n + 1))
+        bar.refresh()
+
+    try:
+        return run_job(name, ready["python"], job, log_dir / f"peer-{name}.log", advance)
+    except PeerFailed as exc:
+        print(f"mtpflow.bench: warning: {exc}", file=sys.stderr)
+        runs[job["label"]] = {"error": str(exc)}
+        return None
+    finally:
+        bar.close()
+
+
 def run_peers(checked: dict[str, dict], units: list[dict], *, max_tokens: int, stop_ids, threads: int,
               model_folder, gguf, log_dir: Path):
     """Every run of every peer, one after the other, on the units mtpflow decoded (``ids``; HF's answer in
     ``reference``): (bench run rows, batch-16 summary rows, what each run reported, for the manifest). A run
     that fails is reported on stderr and in the manifest and the others go on: mtpflow's own results are
     never lost to a peer's crash."""
-    from tqdm import tqdm
-
     prompts = [[int(t) for t in (u["ids"].tolist() if hasattr(u["ids"], "tolist") else u["ids"])] for u in units]
     ggufs = list(gguf) if isinstance(gguf, (list, tuple)) else [gguf]
     rows, summary_rows, record = [], [], {}
     for name, ready in checked.items():
-        record[name] = {"version": ready.get("version"), "python": ready["python"], "variable": ready["variable"],
-                        "runs": {}}
+        record[name] = _peer_record(ready)
         # llama.cpp over several GGUFs (precisions of one model): every run once per file, labelled by its name
         files = ggufs if name == "llamacpp" else ggufs[:1]
         runs = [({**run, "label": f"{run['label']} [{Path(g).stem}]"} if len(files) > 1 else run, g)
@@ -213,20 +236,9 @@ def run_peers(checked: dict[str, dict], units: list[dict], *, max_tokens: int, s
         for run, one_gguf in runs:
             job = job_for(name, run, prompts, max_tokens=max_tokens, stop_ids=stop_ids, threads=threads,
                           model_folder=model_folder, gguf=one_gguf)
-            bar = tqdm(total=len(prompts), desc=run["label"], unit="prompt", file=sys.stderr)
-
-            def advance(event, bar=bar):
-                bar.n = int(event.get("done", bar.n + 1))
-                bar.refresh()
-
-            try:
-                result = run_job(name, ready["python"], job, log_dir / f"peer-{name}.log", advance)
-            except PeerFailed as exc:
-                print(f"mtpflow.bench: warning: {exc}", file=sys.stderr)
-                record[name]["runs"][run["label"]] = {"error": str(exc)}
+            result = _run_reported(name, ready, job, log_dir, record[name]["runs"])
+            if result is None:
                 continue
-            finally:
-                bar.close()
             if result.get("skipped"):
                 print(f"mtpflow.bench: note: {run['label']}: {result['skipped']}", file=sys.stderr)
                 record[name]["runs"][run["label"]] = {"skipped": result["skipped"]}
@@ -238,6 +250,41 @@ def run_peers(checked: dict[str, dict], units: list[dict], *, max_tokens: int, s
             else:
                 summary_rows.append(throughput_row(run["label"], result, units))
     return rows, summary_rows, record
+
+
+def run_batch_peers(checked: dict[str, dict], prompts: list[list[int]], sizes, hf_outputs: dict, reference, *,
+                    max_tokens: int, stop_ids, threads: int, model_folder, gguf, log_dir: Path):
+    """``mode=batch``: each peer once per batch size on the engine's prompts, every prompt at t = 0 and at most
+    that many at once, after mtpflow: (rows in the batch table's columns, what each run reported, for the
+    manifest). Identity is counted against ``reference`` (HF batch 1) when the run has it, else against HF
+    ``generate``'s own outputs at that batch size (``hf_outputs[b]``). A run that fails is reported and the
+    others go on, as in the decode benchmark."""
+    prompts = [[int(t) for t in p] for p in prompts]
+    rows, record = [], {}
+    for name, ready in checked.items():
+        record[name] = _peer_record(ready)
+        for b in sizes:
+            run = {"label": f"{name}, batch {b}", "batch": int(b), "spec": "none"}
+            one_gguf = (gguf[0] if isinstance(gguf, (list, tuple)) else gguf) if name == "llamacpp" else None
+            job = job_for(name, run, prompts, max_tokens=max_tokens, stop_ids=stop_ids, threads=threads,
+                          model_folder=model_folder, gguf=one_gguf)
+            result = _run_reported(name, ready, job, log_dir, record[name]["runs"])
+            if result is None:
+                continue
+            record[name]["runs"][run["label"]] = {
+                k: result.get(k) for k in ("config", "load_seconds", "total_seconds", "threads")}
+            ids, seconds = result["token_ids"], float(result["total_seconds"])
+            tokens = sum(len(o) for o in ids)
+            want, against = (reference, "hf_generate") if reference is not None else (
+                hf_outputs.get(b), f"hf_generate, batch {b}")
+            steps = result.get("total_steps")
+            rows.append({"batch_size": int(b), "setting": name, "tokens": tokens, "seconds": round(seconds, 3),
+                         "tokens_per_second": round(tokens / seconds, 2), "latency_p50": float("nan"),
+                         "latency_p95": float("nan"),
+                         "mal": None if not steps else round((tokens - len(ids)) / max(steps - len(ids), 1), 3),
+                         "identical_to_hf": None if want is None else
+                         sum(list(o) == list(w) for o, w in zip(ids, want)) / len(ids), "reference": against})
+    return rows, record
 
 
 # ---- the peer's side (runs in the peer's python: standard library and the engine only) -----------------------

@@ -149,6 +149,37 @@ def test_a_peer_run_that_fails_is_reported_and_the_rest_goes_on(tiny_dir, tmp_pa
     assert "RuntimeError: out of KV cache" in (out / "peer-vllm.log").read_text()
 
 
+def test_peers_in_batch_mode(tiny_dir, tmp_path, fakes, capsys):
+    """mode=batch peers=[...]: each peer once per batch size on the engine's own prompt ids, after mtpflow, its
+    rows in the same table (total tokens/s, against HF at that batch size) and its record in the manifest."""
+    out = tmp_path / "out"
+    code = bench.main([f"model={tiny_dir}", "mode=batch", f"prompts={prompts_file(tmp_path)}",
+                       "strategies=[baseline]", "batch_sizes=[2]", "batch_k=[off]", "max_new_tokens=8",
+                       "overrides=[trace=off,chat=false]", "peers=[vllm,llamacpp]", f"peer_gguf={fakes['gguf']}",
+                       f"out={out}"])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    table = pd.read_csv(out / "batch_summary.csv").set_index("setting")
+    assert set(table.index) == {"hf_generate", "baseline", "vllm", "llamacpp"}
+    for name in ("vllm", "llamacpp"):
+        row = table.loc[name]
+        assert row["batch_size"] == 2 and row["tokens_per_second"] == pytest.approx(8 / 0.02)
+        assert row["vs_hf_batched"] == pytest.approx(400 / table.loc["hf_generate", "tokens_per_second"], rel=1e-2)
+        # no HF batch-1 run here: identity against HF's own batch of 2 (the fake answers differ from it)
+        assert row["identical_to_hf"] == 0.0 and row["reference"] == "hf_generate, batch 2"
+    jobs = [json.loads(line) for line in fakes["jobs"].read_text().splitlines()]
+    assert [(j["peer"], j["batch"], j["spec"]) for j in jobs] == [("vllm", 2, "none"), ("llamacpp", 2, "none")]
+    tok = make_tiny_tokenizer()
+    from mtpflow.request import encode_prompt
+
+    expected = [encode_prompt(tok, p, chat=False) for p in ("the quick brown fox the quick brown fox",
+                                                           "def add(a, b): return a + b")]
+    assert all(j["prompts"] == expected and j["max_tokens"] == 8 for j in jobs)
+    assert jobs[0]["model"] == str(tiny_dir) and jobs[1]["gguf"] == str(fakes["gguf"].resolve())
+    record = json.loads((out / "manifest.json").read_text())
+    assert set(record["peers"]["vllm"]["runs"]) == {"vllm, batch 2"}
+    assert record["peers"]["llamacpp"]["version"] == "9.9-fake"
+
+
 def run_bench_expecting(args, tmp_path, capsys) -> str:
     out = tmp_path / "out"
     assert bench.main([*args, f"out={out}"]) == 2
@@ -187,7 +218,8 @@ def test_a_python_that_cannot_import_the_engine(tmp_path, fakes, monkeypatch, ca
 @pytest.mark.parametrize("args,message", [
     (["peers=[tgi]"], "peers: unknown peer 'tgi'; known: vllm, llamacpp"),
     (["peers=[vllm,vllm]"], "names a peer twice"),
-    (["mode=batch", "peers=[vllm]"], "peers= adds rows to the decode benchmark; mode=batch does not run them"),
+    (["mode=cost", "peers=[vllm]"], "peers= adds rows to the decode and batch benchmarks; mode=cost does not run "
+                                    "them"),
     (["peers=[llamacpp]"], "peer llamacpp runs a GGUF file: use the default model, model=PATH.gguf, or "
                            "peer_gguf=PATH.gguf (the same weights as model=/does/not/exist)"),
     (["peers=[llamacpp]", "peer_gguf=/no/such.gguf"], "peer_gguf: no file /no/such.gguf"),
