@@ -180,15 +180,21 @@ def run_rows(label: str, result: dict, units: list[dict]) -> list[dict]:
     return rows
 
 
+def batch_mal(result: dict, tokens: int) -> float | None:
+    """Tokens per decode step of a peer's batched run (its first token of each prompt comes from the prefill,
+    not a step); None where the peer reports no step count."""
+    steps, n = result.get("total_steps"), len(result["token_ids"])
+    return None if not steps else round((tokens - n) / max(steps - n, 1), 3)
+
+
 def throughput_row(label: str, result: dict, units: list[dict]) -> dict:
     """A batch-16 result as one summary row: total tokens/s over every prompt, at most 16 at once."""
     ids = result["token_ids"]
     tokens = sum(len(o) for o in ids)
     same = sum(list(o) == list(u["reference"]) for u, o in zip(units, ids))
-    steps = result.get("total_steps")
     return {"strategy": label, "class": "overall", "prompts": len(ids), "tokens": tokens,
             "tokens_per_s": round(tokens / result["total_seconds"], 2), "speedup_vs_hf": None,
-            "mal": None if not steps else round((tokens - len(ids)) / max(steps - len(ids), 1), 3),
+            "mal": batch_mal(result, tokens),
             "forwards_per_token": None, "identical": f"{same}/{len(ids)}", "lookup_ceiling_mal": None}
 
 
@@ -259,13 +265,13 @@ def run_batch_peers(checked: dict[str, dict], prompts: list[list[int]], sizes, h
     manifest). Identity is counted against ``reference`` (HF batch 1) when the run has it, else against HF
     ``generate``'s own outputs at that batch size (``hf_outputs[b]``). A run that fails is reported and the
     others go on, as in the decode benchmark."""
-    prompts = [[int(t) for t in p] for p in prompts]
     rows, record = [], {}
+    first_gguf = gguf[0] if isinstance(gguf, (list, tuple)) else gguf
     for name, ready in checked.items():
         record[name] = _peer_record(ready)
+        one_gguf = first_gguf if name == "llamacpp" else None
         for b in sizes:
             run = {"label": f"{name}, batch {b}", "batch": int(b), "spec": "none"}
-            one_gguf = (gguf[0] if isinstance(gguf, (list, tuple)) else gguf) if name == "llamacpp" else None
             job = job_for(name, run, prompts, max_tokens=max_tokens, stop_ids=stop_ids, threads=threads,
                           model_folder=model_folder, gguf=one_gguf)
             result = _run_reported(name, ready, job, log_dir, record[name]["runs"])
@@ -277,11 +283,9 @@ def run_batch_peers(checked: dict[str, dict], prompts: list[list[int]], sizes, h
             tokens = sum(len(o) for o in ids)
             want, against = (reference, "hf_generate") if reference is not None else (
                 hf_outputs.get(b), f"hf_generate, batch {b}")
-            steps = result.get("total_steps")
             rows.append({"batch_size": int(b), "setting": name, "tokens": tokens, "seconds": round(seconds, 3),
                          "tokens_per_second": round(tokens / seconds, 2), "latency_p50": float("nan"),
-                         "latency_p95": float("nan"),
-                         "mal": None if not steps else round((tokens - len(ids)) / max(steps - len(ids), 1), 3),
+                         "latency_p95": float("nan"), "mal": batch_mal(result, tokens),
                          "identical_to_hf": None if want is None else
                          sum(list(o) == list(w) for o, w in zip(ids, want)) / len(ids), "reference": against})
     return rows, record
