@@ -176,29 +176,21 @@ static inline __attribute__((always_inline)) void weigh(const double *const *e, 
         }
 }
 
-/* weigh for g in 1..WEIGH queries over the values [c, d): the counts constants in each call, so the accumulators
+/* weigh for g in 1..WEIGH queries over all d values: the counts constants in each call, so the accumulators
  * stay in registers. Up to 3 queries take 64 values a chunk (each row of values read whole, in order, as a one-row
  * step streams them), more take 32. */
 static void weigh_chunks(const double *const *e, const float *values, int n, int d, int g, const float *inv,
                          float *const *o) {
     int c = 0;
-#define WEIGH_G(G, NV)                                                       \
-    case G:                                                                  \
-        for (; c + 8 * NV <= d; c += 8 * NV) weigh(e, values, n, d, c, G, NV, inv, o); \
+#define WEIGH_G(G, NV)                                                                      \
+    case G:                                                                                 \
+        for (; c + 8 * NV <= d; c += 8 * NV) weigh(e, values, n, d, c, G, NV, inv, o);      \
+        for (; c < d; c += 8) weigh(e, values, n, d, c, G, 1, inv, o); /* d's rest, d % 8 == 0 */ \
         break;
     switch (g) {
         WEIGH_G(1, 8) WEIGH_G(2, 8) WEIGH_G(3, 8) WEIGH_G(4, 4) WEIGH_G(5, 4) WEIGH_G(6, 4)
     }
 #undef WEIGH_G
-    for (; c < d; c += 8)  /* what is left of d (d % 8 == 0): a vector at a time */
-        switch (g) {
-        case 1: weigh(e, values, n, d, c, 1, 1, inv, o); break;
-        case 2: weigh(e, values, n, d, c, 2, 1, inv, o); break;
-        case 3: weigh(e, values, n, d, c, 3, 1, inv, o); break;
-        case 4: weigh(e, values, n, d, c, 4, 1, inv, o); break;
-        case 5: weigh(e, values, n, d, c, 5, 1, inv, o); break;
-        default: weigh(e, values, n, d, c, 6, 1, inv, o);
-        }
 }
 
 /* per-thread scratch of the attention: kd (KEYS * 256 doubles), qd (a unit's queries widened: queries * d doubles),
@@ -334,6 +326,11 @@ static inline void q8_product(const struct team *tm, const unsigned char *xq, co
     add_bias(out, bias, tm->r0, tm->r1, N);
 }
 
+/* whether row r (r > 0) belongs to row r - 1's sequence: the same slot, prefix and new entries */
+static inline int same_sequence(const struct mtpflow_w8a8_args *a, int r) {
+    return a->slot[r] == a->slot[r - 1] && a->prefix[r] == a->prefix[r - 1] && a->count[r] == a->count[r - 1];
+}
+
 /* The int8 model's decoder stack over M rows: as mtpflow_llama_rows (the same rows, pool, layer parts and taps), with
  * the int8 products and the exact attention above, in one OpenMP region: each step split between the threads (rows,
  * heads or weight blocks), a spin_wait between steps. 0, -1 out of memory, MTPFLOW_ROWS_BAD_ABI for another
@@ -348,8 +345,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     int longest = 1, widest = 1;  /* the longest row's keys; the most rows that see the same keys */
     for (int r = 0, run = 0; r < M; r++) {
         if (a->prefix[r] + a->count[r] > longest) longest = a->prefix[r] + a->count[r];
-        run = r && a->slot[r] == a->slot[r - 1] && a->prefix[r] == a->prefix[r - 1] && a->count[r] == a->count[r - 1]
-                  ? run + 1 : 1;
+        run = r && same_sequence(a, r) ? run + 1 : 1;
         if (run > widest) widest = run;
     }
     const int teams = a->threads > 1 ? a->threads : 1;  /* per-thread scratch: the attention's runs and sums */
@@ -405,8 +401,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
         int nr = 0;
         for (int r = 0; r < M; r++) {
             lo[r] = window_start(w, w ? a->pos[r] : 0, a->prefix[r]);
-            if (r == 0 || a->slot[r] != a->slot[r - 1] || a->prefix[r] != a->prefix[r - 1] ||
-                a->count[r] != a->count[r - 1] || lo[r] != lo[r - 1])
+            if (r == 0 || !same_sequence(a, r) || lo[r] != lo[r - 1])
                 runs[nr++] = r;
         }
         runs[nr] = M;
