@@ -348,7 +348,7 @@ class Sequence:
         logits = verification.logits
         target_argmax = verification.target_argmax()
         # probabilities of the few tokens that matter, without a softmax over every row
-        log_norm = torch.logsumexp(logits.float(), dim=-1)  # [1 + num_nodes]
+        log_norm = verification.log_norm()  # [1 + num_nodes]
         target_tokens = target_argmax[rows].tolist()
         target_probs = (logits[rows, torch.tensor(emitted)].float() - log_norm[rows]).exp().tolist()
         if draft.num_nodes:

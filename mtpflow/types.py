@@ -162,6 +162,34 @@ class Verification:
             object.__setattr__(self, "_target_argmax", argmax)  # a cache, not a field: the value stays frozen
         return argmax
 
+    def log_norm(self) -> torch.Tensor:
+        """[1 + num_nodes] float32 log of each row's softmax normalizer, logsumexp(logits) (computed once: a
+        token's probability after row r is exp(logits[r, token] - log_norm[r])). Callers must not modify it."""
+        log_norm = self.__dict__.get("_log_norm")
+        if log_norm is None:
+            log_norm = torch.logsumexp(self.logits.float(), dim=-1)
+            object.__setattr__(self, "_log_norm", log_norm)
+        return log_norm
+
+    def top_ids(self, k: int) -> torch.Tensor:
+        """[1 + num_nodes, k] the ids of each row's k largest logits, largest first (the set torch.topk gives; among
+        equal logits the order may differ). Callers must not modify it."""
+        known = self.__dict__.get("_top_ids")
+        if known is not None and known.shape[-1] >= k:
+            return known[:, :k]
+        return self.logits.topk(k, dim=-1).indices
+
+    def with_row_stats(self, argmax: torch.Tensor, log_norm: torch.Tensor,
+                       top_ids: torch.Tensor | None = None) -> Verification:
+        """This verification with ``target_argmax()``, ``log_norm()`` and (given) the first ``top_ids`` already
+        known: a backend that computed them with the logits (one pass while the rows are in cache,
+        ``mtpflow.backends.native``) hands them over."""
+        object.__setattr__(self, "_target_argmax", argmax)
+        object.__setattr__(self, "_log_norm", log_norm)
+        if top_ids is not None:
+            object.__setattr__(self, "_top_ids", top_ids)
+        return self
+
 
 @dataclass(frozen=True)
 class Decision:

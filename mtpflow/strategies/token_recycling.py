@@ -249,8 +249,10 @@ class TokenRecyclingProposer:
             rows = [r + 1 for r in order] + [0] + [a + 1 for a in accepted]  # the accepted path last
             inputs = [record.state.root_token] + draft.tokens.tolist()
             k = min(self.top_k, logits.shape[-1])
-            # the top-k on the logits' device, then one copy of [rows, k] ids to the table's (CPU) side
-            candidates = logits[torch.tensor(rows, device=logits.device)].topk(k, dim=-1).indices.cpu()
+            # the top-k on the logits' device (a native verify has them already), then one copy of [rows, k] ids to
+            # the table's (CPU) side
+            top = verification.top_ids(k)
+            candidates = top[torch.tensor(rows, device=top.device)].cpu()
             if k < self.top_k:
                 candidates = torch.cat([candidates, candidates.new_full((len(rows), self.top_k - k), -1)], 1)
             self.table.update([inputs[r] for r in rows], candidates)

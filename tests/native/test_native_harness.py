@@ -528,7 +528,8 @@ def test_the_python_mirror_has_the_c_struct_layout(tmp_path):
         pytest.skip("no C compiler")
     for source, struct, mirror in (("gemm.c", "mtpflow_linear_args", kernel.LinearArgs),
                                    ("rows_float.c", "mtpflow_rows_args", kernel.RowsArgs),
-                                   ("rows_int8.c", "mtpflow_w8a8_args", kernel.W8A8Args)):
+                                   ("rows_int8.c", "mtpflow_w8a8_args", kernel.W8A8Args),
+                                   ("logit_stats.c", "mtpflow_logit_stats_args", kernel.LogitStatsArgs)):
         names = [name for name, _ in mirror._fields_]
         helper = tmp_path / f"{struct}.c"
         helper.write_text(f'#include <stddef.h>\n#include "{kernel.HERE / source}"\n'
@@ -546,7 +547,7 @@ def test_a_struct_of_another_version_or_size_is_answered_with_an_error_code(buil
     """Every pointer NULL and M large: a function that read past version and size would crash."""
     lib = _lib(builds, "native")
     for entry, fill in (("rows", dict(M=1000, L=30, H=576)), ("w8a8", dict(M=1000, L=30, H=576)),
-                        ("linear", dict(M=1000, N=1000, K=1000))):
+                        ("linear", dict(M=1000, N=1000, K=1000)), ("logit_stats", dict(rows=1000, vocab=1000))):
         function, struct, abi = kernel.ENTRY_POINTS[entry]
         args = struct(abi + version_delta, ctypes.sizeof(struct) + size_delta, **fill)
         assert getattr(lib, function)(ctypes.byref(args)) == kernel.BAD_ABI == -2, entry
@@ -612,7 +613,26 @@ def sanitizer_subset(paths: list[str]) -> None:
         for seed, case in enumerate(ROWS_CASES[1:3]):
             check_rows(lib, case, seed)
         check_w8a8(lib, rows=(1, 2, 7), shapes=((1, 1), (5, 7), (130, 100)))
+        check_logit_stats(lib)
         print(f"checked {path} (vector width {lib.mtpflow_vector_width()})", flush=True)
+
+
+def check_logit_stats(lib) -> None:
+    """mtpflow_logit_stats against torch's argmax and logsumexp: vocabularies below, at and past a vector, ties,
+    -inf rows, a NaN, strided rows."""
+    g = torch.Generator().manual_seed(0)
+    for rows, vocab in ((1, 1), (2, 7), (3, 16), (5, 33), (9, 1000)):
+        x = (torch.randn(rows, 2 * vocab, generator=g) * 3).round()[:, :vocab]  # rows 2 vocab floats apart
+        x[0] = -float("inf")
+        if rows > 1:
+            x[1, vocab // 2] = float("nan")
+        for threads in (1, 2):
+            argmax, log_norm, top_ids = kernel.logit_stats(x, threads, lib=lib, top=4)
+            assert torch.equal(argmax, x.argmax(-1)), (rows, vocab)
+            torch.testing.assert_close(log_norm, torch.logsumexp(x, -1), rtol=2e-6, atol=2e-6, equal_nan=True)
+            assert (top_ids is None) == (rows > 1)  # a NaN row: no top ids
+            if top_ids is not None:
+                assert torch.equal(x.gather(1, top_ids), x.topk(top_ids.shape[1], dim=-1).values)
 
 
 def _runtime(name: str) -> str | None:

@@ -2,16 +2,16 @@
 entry points take.
 
 The C sources (``gemm.c``: the float products and their entry point; ``w8a8.c``: the int8 model's; ``rows_float.c`` and ``rows_int8.c``: a float32 and the int8 model's
-decoder stacks; ``native.h``, ``rows_common.h``) ship in the package and are compiled on first use with the system
+decoder stacks; ``logit_stats.c``: each verify row's argmax and log-normalizer; ``native.h``, ``rows_common.h``) ship in the package and are compiled on first use with the system
 C compiler (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native -fopenmp``) into one library under
 ``~/.cache/mtpflow/native``, keyed by the sources, the compiler and the CPU, then loaded with ctypes. Where there is
 no compiler, or the build fails, ``available()`` is False and the native backend does not apply
 (``model.backend=auto`` runs ``hf`` and says why).
 
 Every entry point takes one versioned struct: ``mtpflow_linear`` (``LinearArgs``: every product kind),
-``mtpflow_llama_rows`` (``RowsArgs``: a float32 model's verify rows) and ``mtpflow_w8a8_rows`` (``W8A8Args``: the
-int8 model's). Each is mirrored here once and filled by keyword (``linear``/``llama_rows``/``w8a8_rows``);
-``load`` refuses a build whose ABI version or struct size differs from a mirror's, with one line. What the
+``mtpflow_llama_rows`` (``RowsArgs``: a float32 model's verify rows), ``mtpflow_w8a8_rows`` (``W8A8Args``: the
+int8 model's) and ``mtpflow_logit_stats`` (``LogitStatsArgs``: each verify row's argmax, log-normalizer and top ids). Each
+is mirrored here once and filled by keyword (``linear``/``llama_rows``/``w8a8_rows``/``logit_stats``); ``load`` refuses a build whose ABI version or struct size differs from a mirror's, with one line. What the
 products compute, and the torch-side layouts they read (panels, packed int8), are ``products``'.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mtpflow.errors import UserError
 
 HERE = Path(__file__).parent
 # the translation units of the one library (native.h and rows_common.h are included by them)
-SOURCES = tuple(HERE / name for name in ("gemm.c", "w8a8.c", "rows_float.c", "rows_int8.c"))
+SOURCES = tuple(HERE / name for name in ("gemm.c", "w8a8.c", "rows_float.c", "rows_int8.c", "logit_stats.c"))
 HEADERS = tuple(HERE / name for name in ("native.h", "rows_common.h"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 # builds for a fixed instruction set (the harness, tests/kernels/test_native_harness.py, builds each one this CPU
@@ -199,12 +199,20 @@ class W8A8Args(ctypes.Structure):
                         (INT, "vocab", "head_from"), (PTR, "logits"))
 
 
+class LogitStatsArgs(ctypes.Structure):
+    """``struct mtpflow_logit_stats_args`` of logit_stats.c (each verify row's argmax, log-normalizer and top ids), member
+    for member: its one mirror."""
+    _fields_ = _members((INT, "version", "size", "rows", "vocab", "threads", "top"), (LONG, "stride"),
+                        (PTR, "logits", "argmax", "log_norm", "top_ids"))
+
+
 # each entry point: (C function, its struct's mirror, the ABI version both sides must agree on: MTPFLOW_*_ABI in
 # the C file beside the struct; change both together). The C side reports its own through mtpflow_<name>_abi()
 # and mtpflow_<name>_args_size().
 ENTRY_POINTS = {"linear": ("mtpflow_linear", LinearArgs, 1),
                 "rows": ("mtpflow_llama_rows", RowsArgs, 2),
-                "w8a8": ("mtpflow_w8a8_rows", W8A8Args, 2)}
+                "w8a8": ("mtpflow_w8a8_rows", W8A8Args, 2),
+                "logit_stats": ("mtpflow_logit_stats", LogitStatsArgs, 1)}
 
 
 def call(lib: ctypes.CDLL, entry: str, **members) -> int:
@@ -225,6 +233,30 @@ def llama_rows(lib: ctypes.CDLL, **members) -> int:
 def w8a8_rows(lib: ctypes.CDLL, **members) -> int:
     """``mtpflow_w8a8_rows`` over ``W8A8Args`` members by name (``call``)."""
     return call(lib, "w8a8", **members)
+
+
+TOP_IDS_MAX = 16  # the most top ids logit_stats gives a row (TOP_MAX in logit_stats.c)
+
+
+def logit_stats(logits: torch.Tensor, threads: int, lib: ctypes.CDLL | None = None,
+                top: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """Each row's argmax (torch.argmax's choice: the first index among ties, a NaN the largest), log-normalizer
+    (torch.logsumexp's value, to float rounding) and, with ``top`` > 0, the ids of its ``top`` largest entries
+    (largest first, the lower id first among equals: torch.topk's set, its order where no two are equal; None where
+    a row has a NaN) of ``logits`` [rows, vocab], in one pass per row (``logit_stats.c``). None where it does not
+    apply: no library, or logits that are not a CPU float32 tensor with contiguous rows."""
+    lib = library() if lib is None else lib
+    if (lib is None or logits.dim() != 2 or logits.dtype != torch.float32 or logits.device.type != "cpu"
+            or logits.stride(-1) != 1 or logits.shape[1] == 0):
+        return None
+    rows, vocab = logits.shape
+    top = max(0, min(int(top), TOP_IDS_MAX, vocab))
+    argmax, log_norm = torch.empty(rows, dtype=torch.long), torch.empty(rows, dtype=torch.float32)
+    top_ids = torch.empty(rows, top, dtype=torch.long) if top else None
+    nans = call(lib, "logit_stats", rows=rows, vocab=vocab, threads=threads, top=top, stride=logits.stride(0),
+                logits=logits.data_ptr(), argmax=argmax.data_ptr(), log_norm=log_norm.data_ptr(),
+                top_ids=None if top_ids is None else top_ids.data_ptr())
+    return argmax, log_norm, None if nans else top_ids
 
 
 def load(path: Path) -> ctypes.CDLL:

@@ -11,7 +11,14 @@ import torch
 
 from mtpflow.backends.base import tree_allowed
 from mtpflow.backends.hf import own_taps
+from mtpflow.backends.native import kernel
+from mtpflow.backends.native.threads import GOVERNOR
 from mtpflow.types import Verification
+
+# the top ids each verify row comes with (``Verification.top_ids``): token recycling's default top-k. Every verify
+# computes them, read or not: keeping them costs a fraction of the one pass (docs/bench/verify_cost_dec06.md), where
+# knowing which sequences' stages read them would take plumbing through every target
+TOP_IDS = 8
 
 # prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
 PREFILL_ROWS = 256
@@ -75,12 +82,20 @@ def verify_through(run, targets, roots, drafts, root_positions) -> list[Verifica
     taps = tuple(sorted({t for target in targets for t in target.taps}))
     logits, hidden = run(targets[0].pool, rows, taps)
     seconds = time.perf_counter() - t0
+    # what steps read from the logits (the gate's argmax, the loop's probabilities, token recycling's top ids), in
+    # one pass over all rows
+    stats = kernel.logit_stats(logits, GOVERNOR.threads(), top=TOP_IDS)
     results = []
     for target, n, first in zip(targets, rows.counts, rows.starts):
         target.kv.length += n
         target.forwards += 1
         h = own_taps(hidden[first:first + n], taps, target.taps) if hidden is not None and target.taps else None
-        results.append(Verification(logits=logits[first:first + n], hidden=h, forward_seconds=seconds))
+        v = Verification(logits=logits[first:first + n], hidden=h, forward_seconds=seconds)
+        if stats is not None:
+            argmax, log_norm, top_ids = stats
+            v = v.with_row_stats(argmax[first:first + n], log_norm[first:first + n],
+                                 None if top_ids is None else top_ids[first:first + n])
+        results.append(v)
     return results
 
 
