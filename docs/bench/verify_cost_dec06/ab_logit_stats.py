@@ -3,7 +3,8 @@ of the bench's prompts twice, with the native pass and with it switched off (tor
 before), the order alternating per prompt, so both sides see the same machine state. First-time requests (the
 shared caches cleared before each), 128 new tokens, greedy, trace off.
 
-    python docs/bench/verify_cost_dec06/ab_logit_stats.py baseline,pld,suffix_cache,mtp_heads,recycling [int8|float32] [every]
+    python docs/bench/verify_cost_dec06/ab_logit_stats.py baseline,pld,suffix_cache,mtp_heads,recycling \
+        [int8|float32] [every]
 
 ``every``: every n-th prompt of the 32 (default 1: all). Prints tokens/s and ms a step of each side.
 """

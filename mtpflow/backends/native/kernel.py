@@ -1,17 +1,19 @@
 """mtpflow's native CPU kernel, seen from Python: how it is built and loaded, and the one mirror of each struct its
 entry points take.
 
-The C sources (``gemm.c``: the float products and their entry point; ``w8a8.c``: the int8 model's; ``rows_float.c`` and ``rows_int8.c``: a float32 and the int8 model's
-decoder stacks; ``logit_stats.c``: each verify row's argmax and log-normalizer; ``native.h``, ``rows_common.h``) ship in the package and are compiled on first use with the system
-C compiler (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native -fopenmp``) into one library under
+The C sources (``gemm.c``: the float products and their entry point; ``w8a8.c``: the int8 model's; ``rows_float.c``
+and ``rows_int8.c``: a float32 and the int8 model's decoder stacks; ``logit_stats.c``: what a verify step reads from
+its logits; ``native.h``, ``rows_common.h``) ship in the package and are compiled on first use with the system C
+compiler (``$CC``, else ``cc``/``gcc``; ``-O3 -march=native -fopenmp``) into one library under
 ``~/.cache/mtpflow/native``, keyed by the sources, the compiler and the CPU, then loaded with ctypes. Where there is
 no compiler, or the build fails, ``available()`` is False and the native backend does not apply
 (``model.backend=auto`` runs ``hf`` and says why).
 
 Every entry point takes one versioned struct: ``mtpflow_linear`` (``LinearArgs``: every product kind),
 ``mtpflow_llama_rows`` (``RowsArgs``: a float32 model's verify rows), ``mtpflow_w8a8_rows`` (``W8A8Args``: the
-int8 model's) and ``mtpflow_logit_stats`` (``LogitStatsArgs``: each verify row's argmax, log-normalizer and top ids). Each
-is mirrored here once and filled by keyword (``linear``/``llama_rows``/``w8a8_rows``/``logit_stats``); ``load`` refuses a build whose ABI version or struct size differs from a mirror's, with one line. What the
+int8 model's) and ``mtpflow_logit_stats`` (``LogitStatsArgs``: each verify row's argmax, log-normalizer and top
+ids). Each is mirrored here once and filled by keyword (``linear``/``llama_rows``/``w8a8_rows``/``logit_stats``);
+``load`` refuses a build whose ABI version or struct size differs from a mirror's, with one line. What the
 products compute, and the torch-side layouts they read (panels, packed int8), are ``products``'.
 """
 from __future__ import annotations
@@ -200,8 +202,8 @@ class W8A8Args(ctypes.Structure):
 
 
 class LogitStatsArgs(ctypes.Structure):
-    """``struct mtpflow_logit_stats_args`` of logit_stats.c (each verify row's argmax, log-normalizer and top ids), member
-    for member: its one mirror."""
+    """``struct mtpflow_logit_stats_args`` of logit_stats.c (each verify row's argmax, log-normalizer and top ids),
+    member for member: its one mirror."""
     _fields_ = _members((INT, "version", "size", "rows", "vocab", "threads", "top"), (LONG, "stride"),
                         (PTR, "logits", "argmax", "log_norm", "top_ids"))
 

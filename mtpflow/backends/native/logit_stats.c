@@ -103,7 +103,9 @@ static float row_log_norm(const float *x, int n, float m) {
 int mtpflow_logit_stats(const struct mtpflow_logit_stats_args *a) {
     if (a->version != MTPFLOW_LOGIT_STATS_ABI || a->size != (int)sizeof(*a)) return MTPFLOW_ROWS_BAD_ABI;
     const int threads = a->threads > 0 ? a->threads : 1;
-    const int top = a->top_ids == NULL || a->top < 0 ? 0 : a->top > TOP_MAX ? TOP_MAX : a->top > a->vocab ? a->vocab : a->top;
+    int top = a->top_ids == NULL || a->top < 0 ? 0 : a->top;
+    if (top > TOP_MAX) top = TOP_MAX;
+    if (top > a->vocab) top = a->vocab;
     int nans = 0;
 #pragma omp parallel for num_threads(threads) schedule(static) if (a->rows > 1 && threads > 1) reduction(+ : nans)
     for (int r = 0; r < a->rows; r++) {
