@@ -146,6 +146,12 @@ def reads_only_target_argmax(plugin_manager) -> bool:
     return all(getattr(impl.plugin, "reads_only_target_argmax", False) for impl in impls)
 
 
+def reads_top_ids(plugin_manager) -> int:
+    """How many of each verify row's top ids a run's stages read (``Verification.top_ids``): the most any plugin
+    declares with ``reads_top_ids`` (token recycling: its top-k), 0 where none does."""
+    return max((int(getattr(plugin, "reads_top_ids", 0) or 0) for plugin in plugin_manager.get_plugins()), default=0)
+
+
 class Sequence:
     """One request being decoded: its own plugin manager (stage objects built for it alone), its state, its
     KV cache slot and its stats. The engine drives it: ``start`` (prefill), then per step ``plan`` ->
@@ -225,6 +231,7 @@ class Sequence:
         self.target = Target(self.backend, need_hidden=self.need_hidden, pool=self.pool)
         self.target.argmax_only = (context.sampling.greedy and reads_only_target_argmax(self.pm)
                                    and self.backend.takes_argmax_only())
+        self.target.top_ids = reads_top_ids(self.pm)
         # the backend's self-draft over this sequence's own slot (int8_draft), as a call: stages never hold the target
         self._extras["self_draft"] = self._self_draft
         self._extras["slot_cache"] = self._slot_cache

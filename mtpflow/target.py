@@ -37,6 +37,9 @@ class Target:
         # its stages read only the argmax of each verify row (greedy gate, no distribution consumer): a backend
         # may compute such rows' logits with an exact argmax and bounded rest (``Backend.takes_argmax_only``)
         self.argmax_only = False
+        # how many of each verify row's top ids its stages read (``Verification.top_ids``: token recycling): a backend
+        # may compute them with the logits; 0: none is read
+        self.top_ids = 0
 
     @property
     def cache_len(self) -> int:

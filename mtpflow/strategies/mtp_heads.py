@@ -226,6 +226,8 @@ class MTPHeadsProposer:
             from mtpflow.strategies.suffix import SuffixDrafter
 
             self.suffix = SuffixDrafter(where="strategy.propose.suffix", **_graft_options("suffix", suffix))
+        # the grafted token recycling learns from each verify row's top ids (loop.reads_top_ids)
+        self.reads_top_ids = 0 if self.recycling is None else self.recycling.reads_top_ids
 
     def unavailable(self, model_config: dict) -> str | None:
         """Why these heads cannot draft for the model ``model_config`` (the config's ``model`` node) describes, or

@@ -178,6 +178,7 @@ class TokenRecyclingProposer:
                  seed_from_prompt: bool = True, memory: float = 0.995, prior_weight: float = 4.0,
                  name: str = "default"):
         self.top_k = check_int("strategy.propose.top_k", top_k, 1, 64)
+        self.reads_top_ids = self.top_k  # learn() reads each verify row's top-k ids (loop.reads_top_ids)
         self.template_nodes = check_int("strategy.propose.template_nodes", template_nodes, 1, 1024)
         self.max_depth = check_k("strategy.propose.max_depth", max_depth)
         if self.max_depth < 1:

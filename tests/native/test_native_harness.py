@@ -617,22 +617,56 @@ def sanitizer_subset(paths: list[str]) -> None:
         print(f"checked {path} (vector width {lib.mtpflow_vector_width()})", flush=True)
 
 
-def check_logit_stats(lib) -> None:
-    """mtpflow_logit_stats against torch's argmax and logsumexp: vocabularies below, at and past a vector, ties,
-    -inf rows, a NaN, strided rows."""
+def logit_cases():
+    """(name, logits [rows, vocab]) for mtpflow_logit_stats: vocabularies below, at and past a vector, the default
+    model's; distinct values, ties, a flat row, -inf rows, a NaN, +inf, rows farther apart than a vocabulary"""
     g = torch.Generator().manual_seed(0)
-    for rows, vocab in ((1, 1), (2, 7), (3, 16), (5, 33), (9, 1000)):
-        x = (torch.randn(rows, 2 * vocab, generator=g) * 3).round()[:, :vocab]  # rows 2 vocab floats apart
-        x[0] = -float("inf")
+    for rows, vocab in ((1, 1), (2, 7), (3, 16), (4, 33), (9, 1000), (13, 4099), (1, 49152)):
+        x = (torch.randn(rows, 2 * vocab, generator=g) * 4)[:, :vocab]  # rows 2 vocab floats apart
+        yield f"{rows}x{vocab}", x
+        yield f"{rows}x{vocab} ties", x.round()  # many equal maxima: the first index wins
+        flat = x.clone()
+        flat[-1] = 3.0
+        yield f"{rows}x{vocab} flat row", flat
+        special = x.clone()
+        special[0] = -float("inf")
         if rows > 1:
-            x[1, vocab // 2] = float("nan")
+            special[1, vocab // 2] = float("nan")
+        if rows > 2:
+            special[2, vocab - 1] = float("inf")
+        yield f"{rows}x{vocab} inf nan", special
+
+
+def check_logit_stats(lib) -> int:
+    """mtpflow_logit_stats against torch on 1 and 2 threads: argmax exactly, logsumexp to float rounding, the top
+    ids holding torch.topk's values with the lower ids first among equal ones (none where a row has a NaN). Returns
+    the cases checked."""
+    checked = 0
+    for name, x in logit_cases():
+        k = min(8, x.shape[1])
         for threads in (1, 2):
-            argmax, log_norm, top_ids = kernel.logit_stats(x, threads, lib=lib, top=4)
-            assert torch.equal(argmax, x.argmax(-1)), (rows, vocab)
-            torch.testing.assert_close(log_norm, torch.logsumexp(x, -1), rtol=2e-6, atol=2e-6, equal_nan=True)
-            assert (top_ids is None) == (rows > 1)  # a NaN row: no top ids
-            if top_ids is not None:
-                assert torch.equal(x.gather(1, top_ids), x.topk(top_ids.shape[1], dim=-1).values)
+            argmax, log_norm, top_ids = kernel.logit_stats(x, threads, lib=lib, top=k)
+            assert torch.equal(argmax, x.argmax(-1)), name
+            torch.testing.assert_close(log_norm, torch.logsumexp(x, -1), rtol=2e-6, atol=2e-6, equal_nan=True,
+                                       msg=name)
+            assert kernel.logit_stats(x, threads, lib=lib)[2] is None, name  # none asked for
+            if bool(x.isnan().any()):
+                assert top_ids is None, name  # a row with a NaN: its top ids are torch's to give
+                continue
+            values = x.gather(1, top_ids)
+            assert torch.equal(values, x.topk(k, dim=-1).values), name
+            for row, ids, vals in zip(x, top_ids, values):
+                for v in vals.unique():  # the ids of one value: the lowest ids that hold it, in order
+                    mine = ids[vals == v]
+                    assert torch.equal(mine, (row == v).nonzero().flatten()[:mine.numel()]), name
+            checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("build", BUILDS)
+def test_logit_stats_match_torch(builds, build):
+    without_nan = sum(not bool(x.isnan().any()) for _, x in logit_cases())
+    assert check_logit_stats(_lib(builds, build)) == 2 * without_nan  # their top ids checked, on 1 and 2 threads
 
 
 def _runtime(name: str) -> str | None:

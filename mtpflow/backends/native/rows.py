@@ -15,11 +15,6 @@ from mtpflow.backends.native import kernel
 from mtpflow.backends.native.threads import GOVERNOR
 from mtpflow.types import Verification
 
-# the top ids each verify row comes with (``Verification.top_ids``): token recycling's default top-k. Every verify
-# computes them, read or not: keeping them costs a fraction of the one pass (docs/bench/verify_cost_dec06.md), where
-# knowing which sequences' stages read them would take plumbing through every target
-TOP_IDS = 8
-
 # prompt rows per kernel call of a prefill: bounds its scratch (scores: rows x heads x context floats)
 PREFILL_ROWS = 256
 
@@ -82,9 +77,9 @@ def verify_through(run, targets, roots, drafts, root_positions) -> list[Verifica
     taps = tuple(sorted({t for target in targets for t in target.taps}))
     logits, hidden = run(targets[0].pool, rows, taps)
     seconds = time.perf_counter() - t0
-    # what steps read from the logits (the gate's argmax, the loop's probabilities, token recycling's top ids), in
-    # one pass over all rows
-    stats = kernel.logit_stats(logits, GOVERNOR.threads(), top=TOP_IDS)
+    # what steps read from the logits (the gate's argmax, the loop's probabilities, and the top ids where a target's
+    # stages read them: token recycling), in one pass over all rows
+    stats = kernel.logit_stats(logits, GOVERNOR.threads(), top=max(target.top_ids for target in targets))
     results = []
     for target, n, first in zip(targets, rows.counts, rows.starts):
         target.kv.length += n
