@@ -6,8 +6,8 @@ kernel: ``native/``, float32 models of every family its layer description covers
 CPU, and the int8 model of ``model.quantize=int8``),
 ``cuda_graph`` (static shapes, CUDA graphs captured per bucket), or ``auto``: ``native_cpu`` where it applies,
 else ``hf``, saying why once. Nothing outside this package imports the native machinery: what the rest of
-mtpflow needs of it (``quantize_int8``, the int8 model's torch reference, the rows of a verify forward for the
-benchmarks) is exported here.
+mtpflow needs of it (``quantize_int8``, the int8 model's torch reference, the rows of a verify forward and the
+streamed buffers for the benchmarks) is exported here.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from mtpflow.backends.hf import HFBackend, reference
 from mtpflow.errors import UserError
 
 __all__ = ["Backend", "ExecutionSpec", "create", "int8_reference", "native_not_applicable", "quantize_int8",
-           "reference", "verify_rows"]
+           "reference", "streamed_empty", "verify_rows"]
 
 
 def native_not_applicable(model) -> str | None:
@@ -53,6 +53,14 @@ def verify_rows(targets, roots, drafts, root_positions):
     from mtpflow.backends.native.rows import verify_rows as rows
 
     return rows(targets, roots, drafts, root_positions)
+
+
+def streamed_empty(numel: int, dtype):
+    """A 1-D tensor on huge pages where the system grants them (``native.memory.streamed_empty``: where the int8
+    weights and the panel copies lie): what a benchmark reads the host's bandwidth over."""
+    from mtpflow.backends.native.memory import streamed_empty as empty
+
+    return empty(numel, dtype)
 
 
 def create(model, spec: ExecutionSpec | str | None = None, int8=None, **choices) -> Backend:

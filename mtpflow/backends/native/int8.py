@@ -24,6 +24,7 @@ import torch
 from mtpflow.backends.base import Backend
 from mtpflow.backends.native import kernel, openmp
 from mtpflow.backends.native.head_products import HeadProduct
+from mtpflow.backends.native.memory import huge_page_bytes
 from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
 from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, optional, prefill_through,
                                           tap_outputs, verify_through)
@@ -127,6 +128,7 @@ class NativeInt8Backend(Backend):
                           kp_h=first.qkv.kp, kp_q=first.o.kp, kp_i=first.down.kp, rot=w.rotary_dims, act=w.activation,
                           softcap=w.attn_softcap, eps=w.eps, scale=w.attn_scale)
         self.kv = kernel.PoolPointers()
+        self._huge_mb = None
 
     # ----- the kernel ---------------------------------------------------------------------------------------
     def run(self, pool, rows: VerifyRows, taps=(), head_from: int | None = 0, layers: int | None = None):
@@ -192,7 +194,11 @@ class NativeInt8Backend(Backend):
         openmp.release_workers()
 
     def stats(self) -> dict:
-        return {**super().stats(), "int8_weights_mb": round(self.w.nbytes / 2**20, 1)}
+        if self._huge_mb is None:  # the weights were all written at load: what lies on huge pages is known by now
+            held = 0 if self.w.buffer is None else huge_page_bytes(self.w.buffer)
+            self._huge_mb = round(held / 2**20, 1)
+        return {**super().stats(), "int8_weights_mb": round(self.w.nbytes / 2**20, 1),
+                "int8_weights_huge_pages_mb": self._huge_mb}
 
     def head_product(self, weight, bias=None, int8=False):
         """A draft head's linear through the native products (``head_products.HeadProduct``)."""

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from mtpflow.backends.native.description import GELU_TANH, SILU, describe, fused_bias
+from mtpflow.backends.native.memory import streamed_empty
 from mtpflow.backends.native.products import pack_q8, packed_q8_rows, packed_q8_shape, quantize_int8, unpack_q8
 
 F32 = torch.float32
@@ -128,6 +129,7 @@ class Int8Weights:
     attn_softcap: float = 0.0     # 0: none
     logit_softcap: float = 0.0
     embed_scale: float | None = None
+    buffer: torch.Tensor | None = None  # the one buffer every Int8Linear's q is a view of (quantize_model)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings [len(ids), H] of token ``ids``: the float table's rows, or for a head tied to the
@@ -159,8 +161,9 @@ def _scale(t: torch.Tensor | None) -> torch.Tensor | None:
 def quantize_model(model, release=None) -> Int8Weights:
     """The int8 model of ``model`` (float32, bfloat16 or float16 weights; callers check it applies: the
     ``native_cpu`` backend's ``not_applicable``), from its layer description. The int8 weights go into one buffer,
-    in the order a forward reads them: the kernel then streams one region from memory
-    (docs/bench/int8_dec05.md#kernel-figures has what the layout measured). ``release(module)``: called with each
+    in the order a forward reads them: the kernel then streams one region from memory, on huge pages where the
+    system grants them (``memory.streamed_empty``; docs/bench/int8_dec05.md#kernel-figures has what the layout
+    measured). ``release(module)``: called with each
     decoder layer once it is quantized, then with the LM head: where the caller frees their weights, the process
     never holds the whole model twice (the buffer's pages become resident as they are filled)."""
     desc = describe(model)
@@ -169,7 +172,7 @@ def quantize_model(model, release=None) -> Int8Weights:
                            tuple(m.weight for m in layer.gate_up), (layer.down.weight,))
     head_weight = desc.head.weight
     sizes = [_packed_bytes(*group) for layer in desc.layers for group in parts(layer)] + [_packed_bytes(head_weight)]
-    buffer = torch.empty(sum(sizes), dtype=torch.int8)
+    buffer = streamed_empty(sum(sizes), torch.int8)
     at = [0]
 
     def into_buffer(*weights) -> Int8Linear:
@@ -196,7 +199,7 @@ def quantize_model(model, release=None) -> Int8Weights:
             release(desc.head)
     return Int8Weights(layers, _scale(desc.norm), head, embed, desc.eps, desc.heads, desc.kv_heads, desc.head_dim,
                        desc.intermediate, desc.scale, desc.rope, desc.rotary_dims, desc.activation, desc.attn_softcap,
-                       desc.logit_softcap, desc.embed_scale)
+                       desc.logit_softcap, desc.embed_scale, buffer)
 
 
 # ----- the operations ---------------------------------------------------------------------------------------------

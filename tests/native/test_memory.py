@@ -1,0 +1,99 @@
+"""The streamed buffers (``backends.native.memory``): the int8 weights on huge pages where the system grants them."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import prompt_rows, tiny_loaded
+from mtpflow import backends
+from mtpflow.backends.native import int8_reference as R, kernel
+from mtpflow.backends.native.memory import huge_page_bytes, huge_page_size, streamed_empty
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def thp_setting() -> str | None:
+    """The bracketed choice of the system's THP setting (always, madvise, never), None where there is none."""
+    try:
+        text = THP.read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+
+def thp_fallbacks() -> int:
+    for line in Path("/proc/vmstat").read_text().splitlines():
+        if line.startswith("thp_fault_fallback "):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float32])
+def test_a_streamed_buffer_is_aligned_sized_and_writable(dtype):
+    size = huge_page_size()
+    item = torch.empty((), dtype=dtype).element_size()
+    n = (3 * max(size, 2 << 20) + 4096 + 5 * item) // item  # three huge pages and a bit: not a multiple of one
+    t = streamed_empty(n, dtype)
+    assert t.shape == (n,) and t.dtype == dtype and t.is_contiguous()
+    if size:
+        assert t.data_ptr() % size == 0
+    t.copy_(torch.arange(n).remainder(100).to(dtype))
+    assert torch.equal(t[-7:], torch.arange(n - 7, n).remainder(100).to(dtype))
+    assert 0 <= huge_page_bytes(t) <= n * item
+
+
+def test_small_buffers_and_the_switch_take_plain_memory(monkeypatch):
+    small = streamed_empty(1000, torch.float32)
+    assert small.shape == (1000,) and huge_page_bytes(small) <= 4000
+    monkeypatch.setenv("MTPFLOW_HUGE_PAGES", "0")
+    assert huge_page_size() == 0
+    off = streamed_empty(3 * (2 << 20), torch.int8).fill_(1)
+    assert off.numel() == 3 * (2 << 20)
+    if thp_setting() == "madvise":  # nothing asked for them: none granted
+        assert huge_page_bytes(off) == 0
+
+
+@pytest.mark.skipif(thp_setting() not in ("always", "madvise") or not huge_page_size(),
+                    reason="this system grants no transparent huge pages")
+def test_the_system_grants_the_huge_pages_asked_for():
+    size = huge_page_size()
+    before = thp_fallbacks()
+    t = streamed_empty(4 * size, torch.int8).fill_(1)
+    if thp_fallbacks() != before:
+        pytest.skip("the system had no free huge page for this buffer (thp_fault_fallback rose)")
+    assert huge_page_bytes(t) == 4 * size
+
+
+@pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the native kernel")
+def test_the_int8_weights_are_views_of_one_streamed_buffer():
+    """A model whose int8 weights span several huge pages: every packed weight is a view of ``Int8Weights.buffer``
+    (huge-page aligned where the system has them), and the kernel's forward over it equals the reference's."""
+    loaded = tiny_loaded(seed=3, layers=6, hidden=256)
+    weights = backends.quantize_int8(loaded.model)
+    buf = weights.buffer
+    assert buf.numel() > 2 << 20  # more than one huge page: streamed_empty maps it
+    lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+    lins = [lin for layer in weights.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    for lin in [*lins, weights.head]:
+        assert lo <= lin.q.data_ptr() and lin.q.data_ptr() + lin.q.numel() <= hi
+    assert sum(lin.q.numel() for lin in [*lins, weights.head]) == buf.numel()
+    if huge_page_size():
+        assert lo % huge_page_size() == 0
+    backend = backends.create(loaded.model, "auto", int8=weights)
+    stats = backend.stats()
+    assert 0 <= stats["int8_weights_huge_pages_mb"] <= stats["int8_weights_mb"]
+    ids = torch.tensor([5, 9, 33, 100, 7, 8, 9, 10, 11, 12])
+    logits, _ = backend.run(backend.make_pool(1), prompt_rows(ids, 0))
+    assert torch.equal(logits, R.Int8Reference(weights).forward(ids)[0])
+
+
+def test_the_int8_weights_keep_their_values_off_huge_pages(monkeypatch):
+    """The switch changes where the weights lie, never what they are."""
+    loaded = tiny_loaded(seed=5, layers=6, hidden=256)
+    on = backends.quantize_int8(loaded.model)
+    monkeypatch.setenv("MTPFLOW_HUGE_PAGES", "0")
+    loaded = tiny_loaded(seed=5, layers=6, hidden=256)
+    off = backends.quantize_int8(loaded.model)
+    assert torch.equal(on.buffer, off.buffer)
