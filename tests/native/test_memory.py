@@ -97,3 +97,20 @@ def test_the_int8_weights_keep_their_values_off_huge_pages(monkeypatch):
     loaded = tiny_loaded(seed=5, layers=6, hidden=256)
     off = backends.quantize_int8(loaded.model)
     assert torch.equal(on.buffer, off.buffer)
+
+
+def test_packed_copies_are_streamed_and_unchanged(monkeypatch):
+    """The float32 panels and the int8 panels (the copies a float32 step streams) come from ``streamed_empty``: the
+    same bytes as on plain pages, aligned to a huge page where the system has them."""
+    from mtpflow.backends.native import products
+
+    weight = torch.randn(1000, 640)  # 2.6 MB of panels: more than one huge page
+    q, _ = products.quantize_int8(torch.randn(4000, 640))  # 2.6 MB of int8 panels
+    on = products.pack_panels(weight), products.pack_q8_panels(q)
+    monkeypatch.setenv("MTPFLOW_HUGE_PAGES", "0")
+    off = products.pack_panels(weight), products.pack_q8_panels(q)
+    for a, b in zip(on, off):
+        assert torch.equal(a, b) and a.is_contiguous() and a.shape == b.shape
+    monkeypatch.delenv("MTPFLOW_HUGE_PAGES")
+    if huge_page_size():
+        assert all(t.data_ptr() % huge_page_size() == 0 for t in on)

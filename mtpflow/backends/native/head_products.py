@@ -31,7 +31,7 @@ class HeadProduct:
         self.min_panel_rows = kernel.panel_min_rows(lib)
         if self.int8:
             q, self.scale = products.quantize_int8(w)
-            self.q = products.pack_q8(q)
+            self.q = products.streamed(products.pack_q8(q))  # what each draft step streams
             self.wsum = q.sum(dim=1, dtype=torch.int32).contiguous()
         else:
             self.weight = w.contiguous()

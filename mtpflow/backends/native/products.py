@@ -19,11 +19,20 @@ import ctypes
 import torch
 
 from mtpflow.backends.native import kernel
+from mtpflow.backends.native.memory import streamed_empty
 
 PANEL = 32  # output features per panel (gemm.c)
 F32, PANELS, Q8, W8A8, Q8_PANELS = 0, 1, 2, 3, 4  # MTPFLOW_LINEAR_* in gemm.c
 Q8_STEP = 64  # Q8_STEP in native.h: the int8 model's weight rows are padded with zeros to a multiple of it
 Q8_PANEL = 32  # Q8_PANEL in native.h: output features per packed panel
+
+
+def streamed(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in ``memory.streamed_empty``'s memory: a packed copy is what a step streams, so it
+    goes on huge pages where the system grants them (one of 2 MB or more; a smaller one stays on plain pages)."""
+    out = streamed_empty(t.numel(), t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -32,7 +41,7 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
     padded[:n] = weight.detach()
-    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+    return streamed(padded.reshape(-1, PANEL, k).transpose(1, 2))
 
 
 def pack_q8_panels(q: torch.Tensor) -> torch.Tensor:
@@ -41,7 +50,7 @@ def pack_q8_panels(q: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.int8)
     padded[:n] = q
-    return padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+    return streamed(padded.reshape(-1, PANEL, k).transpose(1, 2))
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
