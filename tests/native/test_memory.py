@@ -23,6 +23,16 @@ def thp_setting() -> str | None:
     return text[text.index("[") + 1:text.index("]")] if "[" in text else None
 
 
+def thp_disabled_for_process() -> bool:
+    """Whether this process may not have huge pages at all (``prctl(PR_SET_THP_DISABLE)``, as some container
+    runtimes set it): /proc/self/status says ``THP_enabled: 0``."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+    return any(line.split()[1:] == ["0"] for line in status.splitlines() if line.startswith("THP_enabled:"))
+
+
 def thp_fallbacks() -> int:
     for line in Path("/proc/vmstat").read_text().splitlines():
         if line.startswith("thp_fault_fallback "):
@@ -55,8 +65,8 @@ def test_small_buffers_and_the_switch_take_plain_memory(monkeypatch):
         assert huge_page_bytes(off) == 0
 
 
-@pytest.mark.skipif(thp_setting() not in ("always", "madvise") or not huge_page_size(),
-                    reason="this system grants no transparent huge pages")
+@pytest.mark.skipif(thp_setting() not in ("always", "madvise") or not huge_page_size() or thp_disabled_for_process(),
+                    reason="this system grants this process no transparent huge pages")
 def test_the_system_grants_the_huge_pages_asked_for():
     size = huge_page_size()
     before = thp_fallbacks()
