@@ -5,8 +5,8 @@ hardware prefetchers stop at each page boundary. Linux backs an anonymous privat
 pages (2 MB on x86) when the process asks for them with ``madvise(MADV_HUGEPAGE)``. Under the common system setting,
 ``madvise`` in /sys/kernel/mm/transparent_hugepage/enabled, it grants them only then, and torch's allocator never
 asks. ``streamed_empty`` asks. Where the system refuses (``never``, no memory to compact, another OS), the buffer
-is plain memory and everything computes the same: only the speed differs (docs/kernels.md#huge-pages has what it
-measured). ``MTPFLOW_HUGE_PAGES=0`` turns the request off.
+is plain memory and everything computes the same: only the speed differs (docs/int8.md#how-the-kernel-is-laid-out;
+docs/bench/huge_pages_dec06.md has what it measured). ``MTPFLOW_HUGE_PAGES=0`` turns the request off.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def streamed_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     written, as ``torch.empty``'s do). A buffer smaller than one huge page, or a system without them, gets
     ``torch.empty``. The tensor holds the mapping: it is unmapped when the last view of it goes."""
     size = huge_page_size()
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if size <= 0 or nbytes < size:
         return torch.empty(numel, dtype=dtype)
     try:  # the slack up to the first aligned byte is never written, so it never becomes resident
