@@ -65,9 +65,9 @@ def test_small_buffers_and_the_switch_take_plain_memory(monkeypatch):
     monkeypatch.setenv("MTPFLOW_HUGE_PAGES", "0")
     assert huge_page_size() == 0
     off = streamed_empty(3 * (2 << 20), torch.int8).fill_(1)
+    # No mapping is the whole check. smaps cannot prove "none granted": torch.empty may hand back heap memory that
+    # other code advised earlier and freed (CI once saw 2560 bytes of such a neighbour counted against this buffer).
     assert off.numel() == 3 * (2 << 20) and not mapped
-    if thp_setting() == "madvise":  # nothing asked for them: none granted
-        assert huge_page_bytes(off) == 0
     monkeypatch.delenv("MTPFLOW_HUGE_PAGES")
     if huge_page_size():  # the same size switched back on: one mapping
         streamed_empty(3 * (2 << 20), torch.int8)
