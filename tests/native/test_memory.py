@@ -101,7 +101,10 @@ def test_the_int8_weights_are_views_of_one_streamed_buffer():
     if huge_page_size():
         assert lo % huge_page_size() == 0
     backend = backends.create(loaded.model, "auto", int8=weights)
-    assert backend.stats()["int8_weights_huge_pages_mb"] == round(huge_page_bytes(buf) / 2**20, 1)
+    # khugepaged may still collapse pages of the advised buffer between two reads: the count only grows
+    before = round(huge_page_bytes(buf) / 2**20, 1)
+    reported = backend.stats()["int8_weights_huge_pages_mb"]
+    assert before <= reported <= round(huge_page_bytes(buf) / 2**20, 1)
     ids = torch.tensor([5, 9, 33, 100, 7, 8, 9, 10, 11, 12])
     logits, _ = backend.run(backend.make_pool(1), prompt_rows(ids, 0))
     assert torch.equal(logits, R.Int8Reference(weights).forward(ids)[0])
