@@ -1,13 +1,16 @@
 """What the int8 model's attention costs in a verify forward: in-process A/B of kernel builds that differ only there.
 
-Builds three copies of the native kernel from the sources of this checkout (rows_int8.c patched in a temporary
+Builds four copies of the native kernel from the sources of this checkout (rows_int8.c patched in a temporary
 folder; the package's own build is untouched):
 - ``base``: the sources as they are;
 - ``noatt``: ``attend_exact`` returns at once. The forward then computes garbage, so this build measures nothing
   but time: what a verify forward would cost if its attention cost nothing, the ceiling of any attention speed-up;
 - ``prefetch``: software prefetch of the keys two blocks ahead (block_scores) and of the values 8 keys ahead
-  (weigh), the values unchanged.
-One process loads the int8 model, prefills a cache of ``context`` random tokens and alternates the three builds:
+  (weigh), the values unchanged;
+- ``float32``: the attention's double-precision vectors and sums turned into float32 ones of the same 8 lanes
+  (256-bit), no widening. Its values differ from the reference's, so it too measures time only: what the
+  arithmetic's width costs.
+One process loads the int8 model, prefills a cache of ``context`` random tokens and alternates the four builds:
 rounds of 30 timed verify forwards at K = 0 (a decode step) and K = 8 (a chain of 8 drafts), the order of the
 builds rotated every round. Prints each build's fastest and median ms, and the median over the rounds of each round's
 K = 8 / K = 0 (the two timed back to back, so a slow phase of the machine hits both).
@@ -43,8 +46,20 @@ PATCHES = {
 }
 
 
+def float32_attention(source: str) -> str:
+    """rows_int8.c with its attention (from the double vector type to the end of the fused-multiply-add region) in
+    float32: the same code, 8 float lanes where there were 8 double ones."""
+    begin = source.index("typedef double dvec8")
+    end = source.index("#pragma GCC pop_options")
+    region = source[begin:end].replace("double dvec8 __attribute__((vector_size(64)))",
+                                       "double dvec8 __attribute__((vector_size(32)))")
+    return source[:begin] + region.replace("double", "float").replace("VW * 8", "VW * 4") + source[end:]
+
+
 def build(folder: Path, name: str) -> Path:
     source = (kernel.HERE / "rows_int8.c").read_text()
+    if name == "float32":
+        source = float32_attention(source)
     for old, new in PATCHES.get(name, []):
         if source.count(old) != 1:
             sys.exit(f"rows_int8.c changed: the {name} patch does not apply")
@@ -77,7 +92,7 @@ def int8_backend(shape: str | None):
 def main(rounds: int, context: int, shape: str | None) -> None:
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {name: kernel.load(build(Path(tmp), name)) for name in ("base", "noatt", "prefetch")}
+        libs = {name: kernel.load(build(Path(tmp), name)) for name in ("base", "noatt", "prefetch", "float32")}
         backend = int8_backend(shape)
         g = torch.Generator().manual_seed(0)
         target = Target(backend)
@@ -89,7 +104,7 @@ def main(rounds: int, context: int, shape: str | None) -> None:
         times: dict[tuple[str, int], list[float]] = {}
         names = list(libs)
         for rnd in range(rounds):
-            for name in names[rnd % 3:] + names[:rnd % 3]:
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
                 backend.lib = libs[name]
                 for k, draft in drafts.items():
                     for i in range(33):  # 3 untimed, 30 timed
