@@ -112,10 +112,11 @@ def test_int8_bench_is_one_run_with_one_manifest(tiny_dir, prompts, tmp_path):
                                     "int8_agreement.csv", "int8_decode_steps.csv"}
     facts = record["int8"]
     assert facts["memory_bandwidth_gbs"] > 0 and facts["int8_weight_bytes_per_token"] > 0
-    # the steps are held to the faster of the two readings; a tiny model's weights fit in less than a huge page
+    # the steps are held to the faster of the two readings; the weights' huge pages are reported, within their
+    # size (a tiny model's weights are below one huge page: plain memory, where smaps may count a neighbour's)
     assert facts["memory_bandwidth_gbs"] == max(facts["memory_bandwidth_plain_pages_gbs"],
                                                 facts["memory_bandwidth_huge_pages_gbs"])
-    assert facts["int8_weights_huge_pages_mb"] == 0
+    assert 0 <= facts["int8_weights_huge_pages_mb"] <= round(facts["int8_weight_bytes_per_token"] / 2**20, 1) + 0.1
     assert facts["int8_backend"].startswith("native_cpu cpu int8 w8a8") and facts["int8_baseline_identical"] == "2/2"
     assert record["command"].startswith("python -m mtpflow.tools.int8_bench ")
     summary = pd.read_csv(out / "bench_summary.csv")

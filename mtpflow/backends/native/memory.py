@@ -56,9 +56,11 @@ def streamed_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def huge_page_bytes(tensor: torch.Tensor) -> int:
-    """Bytes of ``tensor``'s memory that lie on huge pages now, from /proc/self/smaps (0 where it cannot be read).
-    Counted per mapping: the ``AnonHugePages`` of each mapping that overlaps the tensor, at most its share of that
-    mapping, so at most the tensor's own bytes. Reads the whole smaps file: for reports, not for a step."""
+    """Bytes of ``tensor``'s memory on huge pages now, from /proc/self/smaps (0 where it cannot be read): the
+    ``AnonHugePages`` of each mapping that overlaps the tensor, at most the overlap. smaps counts per mapping, not
+    per address, so this is exact for a mapping of the tensor's own (``streamed_empty``'s) and may count another
+    allocation's huge pages for memory in a shared mapping (``torch.empty``'s heap). Reads the whole smaps file:
+    for reports, not for a step."""
     lo = tensor.data_ptr()
     hi = lo + tensor.numel() * tensor.element_size()
     total = 0
