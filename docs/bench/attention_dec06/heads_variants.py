@@ -2,19 +2,15 @@
 
 Each variant is a pipeline with config overrides; the bench's prompts ``lo``..``hi`` run as first-time requests
 (the shared caches cleared but for the trained heads), 128 new tokens, greedy, the variants alternating per prompt
-(the order reversed every other prompt). Prints tokens/s, the ratio to `baseline` and the mean accepted length
-(tokens per step).
+(the order reversed every other prompt: ``alternating.py``). Prints tokens/s, the ratio to `baseline` and the
+tokens per step.
 
     python docs/bench/attention_dec06/heads_variants.py [lo] [hi]
 """
-import json
 import sys
-import time
-from pathlib import Path
 
-import mtpflow
+from alternating import alternate, pipelines
 
-PROMPTS = Path(mtpflow.__file__).parent / "data" / "bench_prompts.jsonl"
 NO_GRAFTS = ["strategy.propose.recycling=null", "strategy.propose.suffix=null"]
 VARIANTS = {
     "baseline": ("baseline", []),
@@ -28,23 +24,7 @@ VARIANTS = {
 
 
 def main(lo: int, hi: int) -> None:
-    items = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()][lo:hi]
-    pipes = {label: mtpflow.pipeline(name, overrides=["max_new_tokens=128", "model.quantize=int8", "trace=off",
-                                                        *overrides])
-             for label, (name, overrides) in VARIANTS.items()}
-    for pipe in pipes.values():
-        pipe(prompt_ids=pipe.encode("Hello there, how are you?"))  # warm-up
-    acc = {label: [0.0, 0, 0] for label in pipes}
-    for i, item in enumerate(items):
-        for label in list(pipes) if i % 2 == 0 else list(pipes)[::-1]:
-            pipe = pipes[label]
-            ids = pipe.encode(item["prompt"])
-            pipe.shared.clear(keep=lambda key: key.startswith("heads:"))
-            t0 = time.perf_counter()
-            result = pipe(prompt_ids=ids)
-            acc[label][0] += time.perf_counter() - t0
-            acc[label][1] += len(result.token_ids)
-            acc[label][2] += len(result.steps)
+    acc = alternate(pipelines(VARIANTS), lo, hi)
     base = acc["baseline"][1] / acc["baseline"][0]
     print(f"prompts {lo}..{hi - 1}, int8 target")
     for label, (seconds, tokens, steps) in acc.items():

@@ -2,29 +2,24 @@
 
 One process builds a pipeline per strategy and decodes the bench's prompts ``lo``..``hi`` (first-time requests:
 the shared caches cleared but for the trained heads), 128 new tokens, greedy, the strategies alternating per
-prompt (the order reversed every other prompt). It times every ``Engine._step`` and, inside the steps, every call
-into the native library (``kernel.call``: the decoder stack, the logit statistics, the heads' products). The rest
-of a step is Python: planning, the stages, the bookkeeping, the ctypes calls' arguments.
+prompt (the order reversed every other prompt: ``alternating.py``). It times every ``Engine._step`` and, inside
+the steps, every call into the native library (``kernel.call``: the decoder stack, the logit statistics, the
+heads' products). The rest of a step is Python: planning, the stages, the bookkeeping, the ctypes calls'
+arguments.
 
     python docs/bench/attention_dec06/step_python_share.py [lo] [hi] [strategy,...]
 """
-import json
 import sys
 import time
-from pathlib import Path
 
-import mtpflow
+from alternating import alternate, pipelines
 from mtpflow import engine as engine_module
 from mtpflow.backends.native import kernel
 
-PROMPTS = Path(mtpflow.__file__).parent / "data" / "bench_prompts.jsonl"
-
 
 def main(lo: int, hi: int, strategies: list[str]) -> None:
-    items = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()][lo:hi]
-    acc = {name: {"step": 0.0, "c": 0.0, "steps": 0, "tokens": 0, "wall": 0.0} for name in strategies}
-    now = {"in_step": False, "name": None}
-
+    timed = {name: {"step": 0.0, "native": 0.0, "steps": 0} for name in strategies}
+    now = {"in_step": False, "name": strategies[0]}
     step, call = engine_module.Engine._step, kernel.call
 
     def timed_step(self, *a, **k):
@@ -33,8 +28,8 @@ def main(lo: int, hi: int, strategies: list[str]) -> None:
             return step(self, *a, **k)
         finally:
             now["in_step"] = False
-            acc[now["name"]]["step"] += time.perf_counter() - t0
-            acc[now["name"]]["steps"] += 1
+            timed[now["name"]]["step"] += time.perf_counter() - t0
+            timed[now["name"]]["steps"] += 1
 
     def timed_call(*a, **k):
         if not now["in_step"]:
@@ -43,29 +38,16 @@ def main(lo: int, hi: int, strategies: list[str]) -> None:
         try:
             return call(*a, **k)
         finally:
-            acc[now["name"]]["c"] += time.perf_counter() - t0
+            timed[now["name"]]["native"] += time.perf_counter() - t0
 
+    pipes = pipelines({name: (name, []) for name in strategies})  # warm-ups: before the hooks, not counted
     engine_module.Engine._step, kernel.call = timed_step, timed_call
-    pipes = {name: mtpflow.pipeline(name, overrides=["max_new_tokens=128", "model.quantize=int8", "trace=off"])
-             for name in strategies}
-    for name, pipe in pipes.items():
-        now["name"] = name
-        pipe(prompt_ids=pipe.encode("Hello there, how are you?"))  # warm-up
-    for a in acc.values():
-        a.update(step=0.0, c=0.0, steps=0)
-    for i, item in enumerate(items):
-        for name in strategies if i % 2 == 0 else strategies[::-1]:
-            pipe, now["name"] = pipes[name], name
-            ids = pipe.encode(item["prompt"])
-            pipe.shared.clear(keep=lambda key: key.startswith("heads:"))
-            t0 = time.perf_counter()
-            result = pipe(prompt_ids=ids)
-            acc[name]["wall"] += time.perf_counter() - t0
-            acc[name]["tokens"] += len(result.token_ids)
+    acc = alternate(pipes, lo, hi, before=lambda name: now.update(name=name))
     print(f"prompts {lo}..{hi - 1}: per decode step, ms")
-    for name, a in acc.items():
-        step_ms, c_ms = 1000 * a["step"] / a["steps"], 1000 * a["c"] / a["steps"]
-        print(f"{name:>14}  {a['tokens'] / a['wall']:6.1f} tokens/s  {a['steps']:5d} steps  step {step_ms:6.2f}  "
+    for name, t in timed.items():
+        step_ms, c_ms = 1000 * t["step"] / t["steps"], 1000 * t["native"] / t["steps"]
+        seconds, tokens, _ = acc[name]
+        print(f"{name:>14}  {tokens / seconds:6.1f} tokens/s  {t['steps']:5d} steps  step {step_ms:6.2f}  "
               f"native {c_ms:6.2f}  Python {step_ms - c_ms:5.2f} ({(step_ms - c_ms) / step_ms:5.1%})", flush=True)
 
 

@@ -6,19 +6,17 @@ the prompt timed as a first-time request (shared state cleared), 128 new tokens,
 
     python docs/bench/huge_pages_dec06/f32_panels_ab.py STRATEGY [PROMPTS] [override ...]
 """
-import json
 import os
 import sys
 import time
-from pathlib import Path
 
 import mtpflow
 from mtpflow.backends.native.memory import huge_page_bytes
+from mtpflow.tools.specbench import load_prompt_suite
 
 
 def main(strategy: str, n: int, overrides: list[str]) -> None:
-    items = [json.loads(line) for line in
-             (Path(mtpflow.__file__).parent / "data" / "bench_prompts.jsonl").read_text().splitlines()]
+    items = load_prompt_suite()
     pipe = mtpflow.pipeline(strategy, overrides=["max_new_tokens=128", "trace=off", *overrides])
     backend = pipe.backend
 
