@@ -302,7 +302,6 @@ def measure_batch_costs(backend, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, conte
     tokens, rows interleaved so background load hits them alike (after one warm-up round)."""
     from tqdm import tqdm
 
-    from mtpflow.kv_cache import KVPool
     from mtpflow.target import Target
     from mtpflow.types import Draft
 
@@ -311,7 +310,7 @@ def measure_batch_costs(backend, batch_sizes=BATCH_SIZES, rows=BATCH_ROWS, conte
     vocab = int(model.config.vocab_size)
     times: dict[tuple[int, int], list[float]] = {}
     for b in tqdm(batch_sizes, desc="measuring batch verify cost", unit="batch size", leave=False):
-        pool = KVPool(model, b)
+        pool = backend.make_pool(b)
         targets = [Target(backend, pool=pool) for _ in range(b)]
         for t in targets:
             t.argmax_only = argmax_only  # greedy sequences (the certified LM head where it applies)

@@ -30,7 +30,8 @@ MIN_CAPACITY = 256
 class KVPool:
     """Key/value buffers for up to ``max_slots`` sequences of one model."""
 
-    def __init__(self, model, max_slots: int, fixed_capacity: int | None = None):
+    def __init__(self, model, max_slots: int, fixed_capacity: int | None = None,
+                 entry_dtype: torch.dtype | None = None, entry_width: int | None = None):
         cfg = model.config
         cfg = getattr(cfg, "get_text_config", lambda: cfg)()
         self.num_layers = int(cfg.num_hidden_layers)
@@ -38,6 +39,12 @@ class KVPool:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         param = next(model.parameters())
         self.dtype, self.device = param.dtype, param.device
+        # how a key or value entry (one token, one key / value head) is held: head_dim values of the model's dtype by
+        # default; a backend with its own layout names it (the int8 model: head_dim int8 values, then their float32
+        # scale: head_dim + 4 bytes). Every copy of entries below (slots, growth, the tree's gather, the prefix
+        # cache) moves whole entries, whatever they hold.
+        self.entry_dtype = entry_dtype or self.dtype
+        self.entry_width = int(entry_width or self.head_dim)
         self.max_slots = int(max_slots)
         self.capacity = 0
         self.keys: list[torch.Tensor] = []
@@ -96,9 +103,9 @@ class KVPool:
     @torch.inference_mode()
     def _allocate(self, new: int) -> None:
         """Buffers of ``new`` entries per slot, the entries held so far copied in."""
-        shape = (self.max_slots, self.kv_heads, new, self.head_dim)
-        keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
-        values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
+        shape = (self.max_slots, self.kv_heads, new, self.entry_width)
+        keys = [torch.zeros(shape, dtype=self.entry_dtype, device=self.device) for _ in range(self.num_layers)]
+        values = [torch.zeros(shape, dtype=self.entry_dtype, device=self.device) for _ in range(self.num_layers)]
         if self.capacity:
             for old, fresh in zip(self.keys + self.values, keys + values):
                 fresh[:, :, : self.capacity] = old

@@ -28,7 +28,7 @@ class Target:
         self.device = backend.device
         # which hidden states its forwards return (``mtpflow.types.hidden_taps``): () none, (-1,) the last one
         self.taps = taps_of(need_hidden)
-        self.pool = pool or KVPool(self.model, max_slots=1)  # standalone use (tests, cost measurements)
+        self.pool = pool or backend.make_pool(1)  # standalone use (tests, cost measurements)
         self.kv = SequenceKV(self.pool)
         # absolute position - position_shift = position the model sees; grows when ``keep`` evicts entries,
         # so cache entry i always sits at model position i and generation can run past the model's context

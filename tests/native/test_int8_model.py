@@ -16,6 +16,7 @@ from helpers import make_pipeline, make_tiny_model, prompt_rows, save_tiny_gpt2,
 from mtpflow import backends
 from mtpflow.config import available_strategies, compose
 from mtpflow.errors import UserError
+from mtpflow.kv_cache import KVPool
 from mtpflow.backends.native import int8_reference as R, kernel, products
 from mtpflow.backends.native.rows import VerifyRows
 from mtpflow.request import Request
@@ -109,6 +110,33 @@ def test_the_kernel_forward_is_the_reference_bit_for_bit(tied):
     logits, _ = backend.run(pool, rows)
     assert torch.equal(logits[:3], refs[0].forward(chain)[0])
     assert torch.equal(logits[3:], refs[1].forward(single)[0])
+
+
+def test_the_cache_holds_the_references_int8_entries_byte_for_byte():
+    """After a prefill, each layer's keys and values in the pool are the reference's int8 values and float32 scales
+    (head_dim int8 bytes, then the scale's 4): a quarter of float32's bytes and a little more. A float32 pool is
+    refused with one line, not written past."""
+    loaded = tiny_loaded(seed=5, layers=2)
+    weights = backends.quantize_int8(loaded.model)
+    backend = backends.create(loaded.model, "auto", int8=weights)
+    pool = backend.make_pool(1)
+    ids = torch.tensor([5, 9, 33, 100, 7, 8, 9, 10, 11, 12, 13])
+    n, d = len(ids), weights.head_dim
+    backend.run(pool, prompt_rows(ids, 0))
+    ref = R.Int8Reference(weights)
+    ref.forward(ids)
+    for layer in range(len(weights.layers)):
+        for buffers, entries, scales in ((pool.keys, ref.keys, ref.key_scales),
+                                         (pool.values, ref.values, ref.value_scales)):
+            held = buffers[layer][0, :, :n]  # [kv_heads, n, d + 4] int8
+            assert held.dtype == torch.int8 and held.shape[-1] == d + 4
+            assert torch.equal(held[..., :d].float(), entries[layer])
+            assert torch.equal(held[..., d:].contiguous().view(torch.float32)[..., 0], scales[layer])
+            assert scales[layer].gt(0).all()
+    floats = pool.nbytes() / (2 * len(weights.layers) * pool.max_slots * pool.kv_heads * pool.capacity * d * 4)
+    assert floats == (d + 4) / (4 * d)
+    with pytest.raises(ValueError, match="its own KV pool"):
+        backend.run(KVPool(loaded.model, 1), prompt_rows(ids, 0))
 
 
 def _sweep(loaded, strategy, heads_dir):

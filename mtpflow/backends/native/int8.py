@@ -30,6 +30,7 @@ from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, opt
                                           tap_outputs, verify_through)
 from mtpflow.backends.native.threads import GOVERNOR
 from mtpflow.errors import UserError
+from mtpflow.kv_cache import KVPool
 
 # the weights an int8 model is made from: a model too large for the memory in float32 loads in bfloat16
 # (model.dtype=bfloat16) and is quantized layer by layer
@@ -130,12 +131,19 @@ class NativeInt8Backend(Backend):
         self.kv = kernel.PoolPointers()
         self._huge_mb = None
 
+    def make_pool(self, max_slots: int):
+        """The int8 model's KV pool: each key and value entry its head_dim int8 values, then their float32 scale (the
+        kernel's ENTRY_BYTES)."""
+        return KVPool(self.model, max_slots, entry_dtype=torch.int8, entry_width=self.w.head_dim + 4)
+
     # ----- the kernel ---------------------------------------------------------------------------------------
     def run(self, pool, rows: VerifyRows, taps=(), head_from: int | None = 0, layers: int | None = None):
         """``mtpflow_w8a8_rows`` over ``rows`` (``verify_rows``, ``prefill_rows``), the int8 LM head in the same call.
         Returns (the logits [rows - head_from, vocab] of rows ``head_from`` on, soft-capped where the model caps them,
         None where ``head_from`` is None; the taps [rows, H * len(taps)] or None: layer outputs, -1 the final-normed
         state). ``layers``: the first ``layers`` layers only, then the final norm and the head."""
+        if pool.entry_dtype != torch.int8 or pool.entry_width != self.w.head_dim + 4:
+            raise ValueError("the int8 model's forwards take its own KV pool (NativeInt8Backend.make_pool)")
         pool.ensure(max(w + 1 for w in rows.wpos))
         keys, values = self.kv(pool)
         h = self.w.embedding(rows.ids).contiguous()

@@ -15,10 +15,15 @@ A model its layer description describes (``description``: every family of ``desc
   where it norms those;
 - rotary from one table of cos / sin per position and layer kind (``description.RopeTable``: the model's own
   ``rotary_emb``), ``x * cos + rotate_half(x) * sin`` over a head's first ``rotary_dims`` values;
-- attention: scores ``float(q . k) * scale`` with the dot in float64, soft-capped where the model caps them
+- the KV cache: each key and value head quantized as a product's input row is (``quantize_rows``: int8 values and
+  one float32 scale per token and head);
+- attention: each query head quantized the same way; scores ``((float(dot) * sq) * sk) * scale`` with ``dot`` the
+  exact integer ``q . k`` (below 2^24 for head sizes up to 1024, so exact in float32 whatever the order of its sums),
+  soft-capped where the model caps them
   (``tanh(s / c) * c``), over the keys the layer's sliding window reaches; softmax ``vexp(s - max)`` (the
   polynomial below), its sum and the weighted values in float64, each rounded once:
-  ``float(sum e v) * (1 / float(sum e))``;
+  ``float(sum (e * sv) vq) * (1 / float(sum e))`` with ``e * sv`` in float32 (``vq`` a value's int8 values, ``sv``
+  its scale);
 - the gated MLP ``act(g) * u``: SiLU ``g / (1 + vexp(-g))``, GELU-tanh ``g / (1 + vexp(t * -2))`` with
   ``t = ((((g * g) * g) * 0.044715) + g) * 0.7978845608``; ``tanh(y) = 1 - 2 / (1 + vexp(y + y))``; residuals in
   float32; the embedding: the model's float table (for a head tied to it, the int8 head's rows times their
@@ -293,19 +298,26 @@ def gated(g: torch.Tensor, u: torch.Tensor, activation: int) -> torch.Tensor:
     return (g / (_c(1.0) + vexp(t * _c(-2.0)))) * u
 
 
-def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-              scale: float, cap: float = 0.0) -> torch.Tensor:
-    """q [rows, heads, d] over keys / values [kv_heads, n, d]; visible [rows, n] bool -> [rows, heads * d]."""
+def attention(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor, values: torch.Tensor,
+              value_scales: torch.Tensor, visible: torch.Tensor, scale: float, cap: float = 0.0) -> torch.Tensor:
+    """q [rows, heads, d] over the cache's int8 keys and values [kv_heads, n, d] (``quantize_rows``' values, held as
+    floats) and their scales [kv_heads, n]; visible [rows, n] bool -> [rows, heads * d]. Each query head is quantized
+    as the keys are; a score is the integer dot product (exact in float below 2^24) times the query's scale, the key's
+    scale and ``scale``; each weight is the softmax's exponential times its value's scale."""
     rows, heads, d = q.shape
     group = heads // keys.shape[0]
+    qq, sq = quantize_rows(q.transpose(0, 1))  # [heads, rows, d], [heads, rows]
     k = keys.repeat_interleave(group, dim=0).double()  # [heads, n, d]
+    sk = key_scales.repeat_interleave(group, dim=0)  # [heads, n]
     v = values.repeat_interleave(group, dim=0).double()
-    scores = softcap((q.transpose(0, 1).double() @ k.transpose(1, 2)).float() * _c(scale), cap)  # [heads, rows, n]
+    sv = value_scales.repeat_interleave(group, dim=0)
+    dots = (qq.double() @ k.transpose(1, 2)).float()  # [heads, rows, n]: integers, exact
+    scores = softcap(((dots * sq[..., None]) * sk[:, None, :]) * _c(scale), cap)
     scores = scores.masked_fill(~visible[None], -torch.inf)
     m = scores.amax(dim=-1, keepdim=True)
     e = torch.where(visible[None], vexp(scores - m), _c(0.0))
     inv = _c(1.0) / e.double().sum(dim=-1).float()
-    out = (e.double() @ v).float() * inv[..., None]  # [heads, rows, d]
+    out = ((e * sv[:, None, :]).double() @ v).float() * inv[..., None]  # [heads, rows, d]
     return out.transpose(0, 1).reshape(rows, heads * d)
 
 
@@ -317,12 +329,16 @@ class Int8Reference:
     def __init__(self, weights: Int8Weights):
         self.w = weights
         self.float_weights: dict = {}  # this reference's float copies of the int8 weights (``linear``'s cache)
+        # the KV cache, per layer: keys and values [kv_heads, n, d] as int8 values held as floats, their scales
+        # [kv_heads, n]
         self.keys: list[torch.Tensor] = []
+        self.key_scales: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
+        self.value_scales: list[torch.Tensor] = []
 
     def reset(self) -> None:
         """An empty KV cache: the next ``forward`` starts a new sequence."""
-        self.keys, self.values = [], []
+        self.keys, self.key_scales, self.values, self.value_scales = [], [], [], []
 
     @property
     def length(self) -> int:
@@ -357,13 +373,18 @@ class Int8Reference:
                 q, k = rotary(q, cos, sin), rotary(k, cos, sin)
             if len(self.keys) <= index:
                 self.keys.append(torch.empty(w.kv_heads, 0, d))
+                self.key_scales.append(torch.empty(w.kv_heads, 0))
                 self.values.append(torch.empty(w.kv_heads, 0, d))
-            self.keys[index] = torch.cat([self.keys[index], k.transpose(0, 1)], dim=1)
-            self.values[index] = torch.cat([self.values[index], v.transpose(0, 1)], dim=1)
+                self.value_scales.append(torch.empty(w.kv_heads, 0))
+            for held, scales, new in ((self.keys, self.key_scales, k), (self.values, self.value_scales, v)):
+                entries, scale = quantize_rows(new.transpose(0, 1))  # the cache holds each head as int8 and its scale
+                held[index] = torch.cat([held[index], entries], dim=1)
+                scales[index] = torch.cat([scales[index], scale], dim=1)
             visible = causal
             if layer.window:
                 visible = causal & (positions[:, None] - torch.arange(start + n)[None] < layer.window)
-            att = attention(q, self.keys[index], self.values[index], visible, w.attn_scale, w.attn_softcap)
+            att = attention(q, self.keys[index], self.key_scales[index], self.values[index], self.value_scales[index],
+                            visible, w.attn_scale, w.attn_softcap)
             h = h + normed(plus(linear(att, layer.o, self.float_weights), layer.bo), layer.post_attention)
             gu = plus(linear(rmsnorm(h, layer.ln2, w.eps), layer.gate_up, self.float_weights), layer.bgu)
             act = gated(gu[:, :w.intermediate], gu[:, w.intermediate:], w.activation)

@@ -13,14 +13,20 @@
 #include <omp.h>
 #include <stdint.h>
 #include "rows_common.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 typedef float fvec8 __attribute__((vector_size(32), aligned(4), may_alias));
 typedef double dvec8 __attribute__((vector_size(64)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
 
-/* The attention below: the queries that read the same keys and values (rows of one sequence's verify, times the
- * query heads that share a key / value head) go together, so each key and value is read once for all of them from
- * memory and widened to double once per key or value block. Its sums run in double, where each product of two floats
- * is exact, so a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the file's rule
+/* The attention below, over the pool's int8 entries (each key / value head of a token: int8 values, then their float
+ * scale): the queries that read the same keys and values (rows of one sequence's verify, times the query heads that
+ * share a key / value head) go together, so each key and value is read once for all of them from memory and widened
+ * once per key or value block. The scores are integer dot products summed in float (exact below 2^24, in any order);
+ * the weighted values are sums in double of float weights times int8 values, each product exact there, rounded once
+ * to float. So a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the file's rule
  * above is for the float operations that must round as torch's do). */
 #define KEYS 8  /* keys per block of scores: one vector of 8 sums */
 #define WEIGH 6  /* queries whose weighted values are summed together: 3 x 64 or 6 x 32 values in 24 registers */
@@ -62,15 +68,70 @@ static float softmax_exact(float *s, int n, float softcap, double *e) {
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
-/* sum_i a[i] b[i] in double (8 lanes, then the lanes; each product exact in double) */
-static inline double dot_exact(const double *a, const float *b, int d) {
-    dvec8 acc = {0};
-    int i = 0;
-    for (; i + 8 <= d; i += 8)
-        acc += *(const dvec8 *)(a + i) * __builtin_convertvector(*(const fvec8 *)(b + i), dvec8);
-    double s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < d; i++) s += a[i] * b[i];
+/* a row of d values quantized as the int8 model's activations are (int8_reference.quantize_rows): s = max |x| / 127
+ * (1 for a row of zeros), each value round(x / s) (half to even) clamped to [-127, 127]. Returns s. */
+static inline float quantize_head(const float *x, int d, float *out) {
+    float amax = 0.0f;
+    for (int i = 0; i < d; i++) {
+        const float a = fabsf(x[i]);
+        if (a > amax) amax = a;
+    }
+    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int i = 0; i < d; i++) {
+        const float v = nearbyintf(x[i] / s);
+        out[i] = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
+    }
     return s;
+}
+
+/* a key or value entry of the pool (one token, one key / value head): its d values as int8, then their scale (a
+ * float, unaligned), ENTRY_BYTES(d) bytes in all */
+#define ENTRY_BYTES(d) ((size_t)(d) + sizeof(float))
+
+static inline float entry_scale(const signed char *key, int d) {
+    float s;
+    __builtin_memcpy(&s, key + d, sizeof s);
+    return s;
+}
+
+/* 8 int8 values widened to float */
+static inline fvec8 widen_q8(const signed char *p) {
+#if defined(__AVX2__)
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    fvec8 out;
+    __builtin_memcpy(&out, &f, sizeof out);
+    return out;
+#else
+    i32x8 v;
+    for (int i = 0; i < 8; i++) v[i] = p[i];
+    return __builtin_convertvector(v, fvec8);
+#endif
+}
+
+/* 8 int8 values widened to double */
+static inline dvec8 widen_q8_double(const signed char *p) {
+#if defined(__AVX512F__)
+    const __m512d f = _mm512_cvtepi32_pd(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    dvec8 out;
+    __builtin_memcpy(&out, &f, sizeof out);
+    return out;
+#else
+    return __builtin_convertvector(widen_q8(p), dvec8);  /* exact: small integers */
+#endif
+}
+
+static inline void store_entry(const float *k, int d, signed char *key, float *tmp) {
+    const float s = quantize_head(k, d, tmp);
+    for (int i = 0; i < d; i++) key[i] = (signed char)tmp[i];
+    __builtin_memcpy(key + d, &s, sizeof s);
+}
+
+/* sum_i q[i] k[i] of an int8 query (held as floats) and an int8 key: an integer below 2^24 in magnitude for d <= 1024,
+ * exact in float whatever the order of the sums */
+static inline float dot_q8(const float *q, const signed char *k, int d) {
+    int acc = 0;
+    for (int i = 0; i < d; i++) acc += (int)q[i] * (int)k[i];
+    return (float)acc;
 }
 
 /* a set of queries over the same keys / values: query qi = (row qi / g, head qi % g) */
@@ -94,9 +155,9 @@ static inline float *out_at(const struct queries *Q, int qi, int d) {
     return Q->o + (size_t)(qi / Q->g) * Q->orow + (size_t)(qi % Q->g) * d;
 }
 
-/* the lanes of 8 vectors summed into one: out[e] = sum of v[e]'s lanes */
-static inline dvec8 lane_sums(const dvec8 v[8]) {
-    dvec8 c[4], e[2];
+/* the lanes of 8 vectors summed into one: out[e] = sum of v[e]'s lanes (exact integers: any order gives the same) */
+static inline fvec8 lane_sums(const fvec8 v[8]) {
+    fvec8 c[4], e[2];
     for (int i = 0; i < 4; i++)
         c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
                __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
@@ -107,63 +168,69 @@ static inline dvec8 lane_sums(const dvec8 v[8]) {
            __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
-/* float(sums) * scale into s[0, KEYS) */
-static inline void store_scores(float *s, dvec8 sums, float scale) {
-    const fvec8 f = __builtin_convertvector(sums, fvec8) * scale;
+/* ((dots * sq) * sk) * scale into s[0, KEYS): the int8 model's score of a query (scale sq) and KEYS keys (sk) */
+static inline void store_scores(float *s, fvec8 dots, float sq, fvec8 sk, float scale) {
+    const fvec8 f = ((dots * sq) * sk) * scale;
     __builtin_memcpy(s, &f, sizeof f);
 }
 
-/* every query's scores float(q . k) * scale against keys [0, n0 - n0 % KEYS) (d % 8 == 0, d <= 256), the queries
- * widened already (qd: query qi at qi * d): each block of KEYS keys widened to double once (kd: scratch of KEYS * d
- * doubles) for all the queries, two queries at a time sharing each load of a key */
-static void block_scores(const struct queries *Q, const double *qd, const float *keys, int n0, int d, float scale,
-                         double *kd) {
+/* every query's scores against keys [0, n0 - n0 % KEYS) (d % 8 == 0, d <= 256), the queries quantized already (qf:
+ * query qi's values at qi * d, its scale sq[qi]): each block of KEYS keys widened to float once (kf: scratch of KEYS
+ * * d floats) for all the queries, two queries at a time sharing each load of a key. The dot products are integers
+ * below 2^24: their float sums are exact, so they may run in any order and fuse their multiplies and adds. */
+static void block_scores(const struct queries *Q, const float *qf, const float *sq, const signed char *keys, int n0,
+                         int d, float scale, float *kf) {
     const int dv = d / 8, nq = Q->rows * Q->g;
+    const size_t kr = ENTRY_BYTES(d);
     for (int t = 0; t + KEYS <= n0; t += KEYS) {
-        for (int e = 0; e < KEYS; e++)
+        fvec8 sk;
+        for (int e = 0; e < KEYS; e++) {
+            const signed char *key = keys + (size_t)(t + e) * kr;
+            sk[e] = entry_scale(key, d);
             for (int i = 0; i < dv; i++)
-                *(dvec8 *)(kd + ((size_t)i * KEYS + e) * 8) =
-                    __builtin_convertvector(*(const fvec8 *)(keys + (size_t)(t + e) * d + 8 * i), dvec8);
+                *(fvec8 *)(kf + ((size_t)i * KEYS + e) * 8) = widen_q8(key + 8 * i);
+        }
         int qi = 0;
         for (; qi + 2 <= nq; qi += 2) {
-            const double *q0 = qd + (size_t)qi * d, *q1 = q0 + d;
-            dvec8 a0[KEYS], a1[KEYS];
-            for (int e = 0; e < KEYS; e++) a0[e] = a1[e] = (dvec8){0};
+            const float *q0 = qf + (size_t)qi * d, *q1 = q0 + d;
+            fvec8 a0[KEYS], a1[KEYS];
+            for (int e = 0; e < KEYS; e++) a0[e] = a1[e] = (fvec8){0};
             for (int i = 0; i < dv; i++) {
-                const dvec8 u0 = *(const dvec8 *)(q0 + 8 * i), u1 = *(const dvec8 *)(q1 + 8 * i);
-                const dvec8 *k = (const dvec8 *)(kd + (size_t)i * KEYS * 8);
+                const fvec8 u0 = *(const fvec8 *)(q0 + 8 * i), u1 = *(const fvec8 *)(q1 + 8 * i);
+                const fvec8 *k = (const fvec8 *)(kf + (size_t)i * KEYS * 8);
                 for (int e = 0; e < KEYS; e++) { a0[e] += u0 * k[e]; a1[e] += u1 * k[e]; }
             }
-            store_scores(scores_at(Q, qi) + t, lane_sums(a0), scale);
-            store_scores(scores_at(Q, qi + 1) + t, lane_sums(a1), scale);
+            store_scores(scores_at(Q, qi) + t, lane_sums(a0), sq[qi], sk, scale);
+            store_scores(scores_at(Q, qi + 1) + t, lane_sums(a1), sq[qi + 1], sk, scale);
         }
         if (qi < nq) {
-            const double *q0 = qd + (size_t)qi * d;
-            dvec8 a0[KEYS];
-            for (int e = 0; e < KEYS; e++) a0[e] = (dvec8){0};
+            const float *q0 = qf + (size_t)qi * d;
+            fvec8 a0[KEYS];
+            for (int e = 0; e < KEYS; e++) a0[e] = (fvec8){0};
             for (int i = 0; i < dv; i++) {
-                const dvec8 u0 = *(const dvec8 *)(q0 + 8 * i);
-                const dvec8 *k = (const dvec8 *)(kd + (size_t)i * KEYS * 8);
+                const fvec8 u0 = *(const fvec8 *)(q0 + 8 * i);
+                const fvec8 *k = (const fvec8 *)(kf + (size_t)i * KEYS * 8);
                 for (int e = 0; e < KEYS; e++) a0[e] += u0 * k[e];
             }
-            store_scores(scores_at(Q, qi) + t, lane_sums(a0), scale);
+            store_scores(scores_at(Q, qi) + t, lane_sums(a0), sq[qi], sk, scale);
         }
     }
 }
 
-/* o = float(sum_t e[j][t] v[t][c .. c + 8 nv)) * inv for g <= WEIGH queries (weights e[j], outputs o[j]) and one
- * chunk of nv <= CHUNK vectors of values: each value widened once for the g queries, every output lane in registers.
+/* o = float(sum_t e[j][t] v[t][c .. c + 8 nv)) * inv for g <= WEIGH queries (weights e[j], each already times its
+ * entry's scale, outputs o[j]) and one chunk of nv <= CHUNK vectors of int8 values (entries ENTRY_BYTES(d) apart):
+ * each value widened once for the g queries, every output lane in registers.
  * A weight of 0 (a masked entry) is summed like any other, as the reference's product of matrices sums it. */
-static inline __attribute__((always_inline)) void weigh(const double *const *e, const float *values, int n, int d,
+static inline __attribute__((always_inline)) void weigh(const double *const *e, const signed char *values, int n, int d,
                                                         int c, const int g, const int nv, const float *inv,
                                                         float *const *o) {
     dvec8 acc[WEIGH][CHUNK];
     for (int j = 0; j < g; j++)
         for (int i = 0; i < nv; i++) acc[j][i] = (dvec8){0};
     for (int t = 0; t < n; t++) {
-        const float *vt = values + (size_t)t * d + c;
+        const signed char *vt = values + (size_t)t * ENTRY_BYTES(d) + c;
         dvec8 v[CHUNK];
-        for (int i = 0; i < nv; i++) v[i] = __builtin_convertvector(*(const fvec8 *)(vt + 8 * i), dvec8);
+        for (int i = 0; i < nv; i++) v[i] = widen_q8_double(vt + 8 * i);
         for (int j = 0; j < g; j++) {
             const double w = e[j][t];
             for (int i = 0; i < nv; i++) acc[j][i] += w * v[i];
@@ -179,7 +246,7 @@ static inline __attribute__((always_inline)) void weigh(const double *const *e, 
 /* weigh for g in 1..WEIGH queries over all d values: the counts constants in each call, so the accumulators
  * stay in registers. Up to 3 queries take 64 values a chunk (each row of values read whole, in order, as a one-row
  * step streams them), more take 32. */
-static void weigh_chunks(const double *const *e, const float *values, int n, int d, int g, const float *inv,
+static void weigh_chunks(const double *const *e, const signed char *values, int n, int d, int g, const float *inv,
                          float *const *o) {
     int c = 0;
 #define WEIGH_G(G, NV)                                                                      \
@@ -193,26 +260,28 @@ static void weigh_chunks(const double *const *e, const float *values, int n, int
 #undef WEIGH_G
 }
 
-/* per-thread scratch of the attention: kd (KEYS * 256 doubles), qd (a unit's queries widened: queries * d doubles),
- * ed (their weights: queries * n doubles), inv (queries floats) */
+/* per-thread scratch of the attention: kf (KEYS * 256 floats), qf (a unit's queries quantized: queries * d floats,
+ * then their scales), ed (their weights: queries * n doubles), inv (queries floats), sv (the values' scales: n floats) */
 struct att_scratch {
-    double *kd, *qd, *ed;
-    float *inv;
+    float *kf, *qf;
+    double *ed;
+    float *inv, *sv;
 };
 
-/* the attention of queries Q over keys / values [n][d], of which the first n0 are visible to every query and the
- * rest only where the query row's own[t - n0]. The vector paths take d % 8 == 0 (scores: d <= 256); other sizes
- * the scalar loops. */
-static void attend_exact(const struct queries *Q, const float *keys, const float *values, int n0, int n, int d,
+/* the attention of queries Q over keys and values [n] (int8 entries of ENTRY_BYTES(d) bytes), of which the first n0
+ * are visible to every query and the rest only where the query row's own[t - n0]. Each query is quantized as the
+ * keys are; a score is the integer dot product times both scales, times the model's scale; a weight, the softmax's
+ * exponential times its value's scale (float32), sums the int8 values in double (each product exact). The vector
+ * paths take d % 8 == 0 (scores: d <= 256); other sizes the scalar loops. */
+static void attend_exact(const struct queries *Q, const signed char *keys, const signed char *values, int n0, int n, int d,
                          float scale, float softcap, const struct att_scratch *w) {
     const int nq = Q->rows * Q->g;
-    for (int qi = 0; qi < nq; qi++) {
-        const float *q = query_at(Q, qi, d);
-        for (int i = 0; i < d; i++) w->qd[(size_t)qi * d + i] = q[i];
-    }
+    const size_t kr = ENTRY_BYTES(d);
+    float *const sq = w->qf + (size_t)nq * d;
+    for (int qi = 0; qi < nq; qi++) sq[qi] = quantize_head(query_at(Q, qi, d), d, w->qf + (size_t)qi * d);
     int from = 0;
     if (d % 8 == 0 && d <= 256) {
-        block_scores(Q, w->qd, keys, n0, d, scale, w->kd);
+        block_scores(Q, w->qf, sq, keys, n0, d, scale, w->kf);
         from = n0 - n0 % KEYS;
     }
     for (int qi = 0; qi < nq; qi++) {
@@ -220,9 +289,15 @@ static void attend_exact(const struct queries *Q, const float *keys, const float
         const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
         for (int t = from; t < n; t++) {
             if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
-            s[t] = (float)dot_exact(w->qd + (size_t)qi * d, keys + (size_t)t * d, d) * scale;
+            const signed char *key = keys + (size_t)t * kr;
+            s[t] = ((dot_q8(w->qf + (size_t)qi * d, key, d) * sq[qi]) * entry_scale(key, d)) * scale;
         }
         w->inv[qi] = softmax_exact(s, n, softcap, w->ed + (size_t)qi * n);
+    }
+    for (int t = 0; t < n; t++) w->sv[t] = entry_scale(values + (size_t)t * kr, d);
+    for (int qi = 0; qi < nq; qi++) {  /* each weight times its value's scale, in float32 */
+        double *e = w->ed + (size_t)qi * n;
+        for (int t = 0; t < n; t++) e[t] = (double)((float)e[t] * w->sv[t]);
     }
     if (d % 8 == 0) {
         for (int j = 0; j < nq; j += WEIGH) {
@@ -239,7 +314,7 @@ static void attend_exact(const struct queries *Q, const float *keys, const float
         float *o = out_at(Q, qi, d);
         for (int i = 0; i < d; i++) {
             double acc = 0.0;
-            for (int t = 0; t < n; t++) acc += e[t] * values[(size_t)t * d + i];
+            for (int t = 0; t < n; t++) acc += e[t] * (double)values[(size_t)t * kr + i];
             o[i] = (float)acc * w->inv[qi];
         }
     }
@@ -341,7 +416,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     const int M = a->M, L = a->L, H = a->H, nh = a->nh, nkv = a->nkv, d = a->d, I = a->I;
     const int nq = nh * d, nk = nkv * d, group = nh / nkv, nqkv = nq + 2 * nk;
     const int kp_max = a->kp_h > a->kp_q ? (a->kp_h > a->kp_i ? a->kp_h : a->kp_i) : (a->kp_q > a->kp_i ? a->kp_q : a->kp_i);
-    const size_t slot_stride = (size_t)nkv * a->cap * d;
+    const size_t slot_stride = (size_t)nkv * a->cap * ENTRY_BYTES(d);  /* bytes: the pool's entries (ENTRY_BYTES) */
     int longest = 1, widest = 1;  /* the longest row's keys; the most rows that see the same keys */
     for (int r = 0, run = 0; r < M; r++) {
         if (a->prefix[r] + a->count[r] > longest) longest = a->prefix[r] + a->count[r];
@@ -353,7 +428,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                           (size_t)teams * ((size_t)M * nh + 2 * M + 1);
     /* each thread's attention scratch (struct att_scratch), 64-byte aligned: a unit has at most widest x group
      * queries */
-    const size_t unit_q = (size_t)widest * group, doubles = KEYS * 256 + unit_q * (d + longest) + 8;
+    const size_t unit_q = (size_t)widest * group, doubles = KEYS * 256 + unit_q * (d + longest) + unit_q + longest + 8;
     char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max + (size_t)M * a->qmax);
     double *att_buf = malloc((size_t)teams * doubles * sizeof(double) + 64);
     if (!buf || !att_buf) { free(buf); free(att_buf); return -1; }
@@ -369,8 +444,10 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     /* this thread's rows [r0, r1) */
     const int r0 = (int)((long)M * t / nt), r1 = (int)((long)M * (t + 1) / nt);
     double *const mine = (double *)(((uintptr_t)(att_buf + (size_t)t * doubles) + 63) & ~(uintptr_t)63);
-    const struct att_scratch scratch = {mine, mine + KEYS * 256, mine + KEYS * 256 + unit_q * d,
-                                        invs + (size_t)t * M * nh};
+    /* kf and qf in doubles' room: KEYS * 256 doubles for kf, unit_q * d + unit_q (their scales) for qf; sv after ed */
+    const struct att_scratch scratch = {(float *)mine, (float *)(mine + KEYS * 256),
+                                        mine + KEYS * 256 + unit_q * d + unit_q, invs + (size_t)t * M * nh,
+                                        (float *)(mine + KEYS * 256 + unit_q * (d + longest) + unit_q)};
     int *const lo = ints + (size_t)t * (2 * M + 1), *const runs = lo + M;  /* this thread's: each row's window start */
     const struct team team = {&barrier, t, nt, r0, r1};
     for (int r = r0; r < r1; r++) {  /* the first layer's norm; each later one follows its residual below */
@@ -386,9 +463,10 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
             float *q = qkv + (size_t)r * nqkv, *k = q + nq, *v = k + nk;
             heads_in(q, k, nh, nkv, d, PART(a->qn, l), PART(a->kn, l), a->eps, c ? c + (size_t)r * a->rot : NULL,
                      sn ? sn + (size_t)r * a->rot : NULL, a->rot);
-            for (int j = 0; j < nkv; j++) {
-                const size_t at = a->slot[r] * slot_stride + ((size_t)j * a->cap + a->wpos[r]) * d;
-                for (int i = 0; i < d; i++) { a->kc[l][at + i] = k[j * d + i]; a->vc[l][at + i] = v[j * d + i]; }
+            for (int j = 0; j < nkv; j++) {  /* the keys and values as int8 entries with their scales */
+                const size_t at = a->slot[r] * slot_stride + ((size_t)j * a->cap + a->wpos[r]) * ENTRY_BYTES(d);
+                store_entry(k + (size_t)j * d, d, (signed char *)a->kc[l] + at, tmp + (size_t)r * H);
+                store_entry(v + (size_t)j * d, d, (signed char *)a->vc[l] + at, tmp + (size_t)r * H);
             }
             window_own(w, a->allowed + (size_t)r * a->qmax, a->pos, r, a->first[r], a->count[r],
                        own + (size_t)r * a->qmax);
@@ -419,13 +497,13 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                     if (hh == 0 && end - u >= group) rows = (int)((end - u) / group);
                     else if (end - u < g) g = (int)(end - u);
                     const int ra = runs[i] + row, h0 = jk * group + hh;
-                    const size_t base = a->slot[ra] * slot_stride + (size_t)jk * a->cap * d + (size_t)lo[ra] * d;
+                    const size_t base = a->slot[ra] * slot_stride + ((size_t)jk * a->cap + lo[ra]) * ENTRY_BYTES(d);
                     const struct queries Q = {
                         .q = qkv + (size_t)ra * nqkv + (size_t)h0 * d, .s = scores + ((size_t)ra * nh + h0) * longest,
                         .o = att + (size_t)ra * nq + (size_t)h0 * d, .own = (w ? own : a->allowed) + (size_t)ra * a->qmax,
                         .rows = rows, .g = g, .qrow = (size_t)nqkv, .srow = (size_t)nh * longest, .sh = (size_t)longest,
                         .orow = (size_t)nq, .mrow = (size_t)a->qmax};
-                    attend_exact(&Q, a->kc[l] + base, a->vc[l] + base, a->prefix[ra] - lo[ra],
+                    attend_exact(&Q, (const signed char *)a->kc[l] + base, (const signed char *)a->vc[l] + base, a->prefix[ra] - lo[ra],
                                  a->prefix[ra] + a->count[ra] - lo[ra], d, a->scale, a->softcap, &scratch);
                     u += (long)rows * g;
                 }

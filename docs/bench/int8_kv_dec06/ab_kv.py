@@ -1,0 +1,90 @@
+"""The int8 KV cache against the float32 one: in-process A/B of two builds of the int8 model's decoder stack.
+
+``before`` is rows_int8.c at a commit whose cache held float32 keys and values (4813f4e, the commit before the int8
+cache), ``after`` the working tree's (int8 entries with a scale). Each build reads its own pool layout: ``before`` a
+float32 pool, ``after`` the backend's own. One process loads the int8 model, prefills a cache of ``context`` random
+tokens into each pool and alternates the builds round by round (the order reversed every other round): 20 timed
+verify forwards (after 3 untimed) per draft length ``k``. Prints each build's fastest and median ms, each K's
+ratio to K = 0, and the median over the rounds of after / before (a drift of the machine hits both sides alike).
+The two builds compute different models (the cache's numerics differ), so this measures time only.
+
+    python docs/bench/int8_kv_dec06/ab_kv.py [rounds] [context] [k,k,...] [before-commit]
+"""
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from mtpflow import backends
+from mtpflow.backends.native import kernel
+from mtpflow.kv_cache import KVPool
+from mtpflow.model import load_model
+from mtpflow.target import Target
+from mtpflow.types import Draft
+
+
+def build(folder: Path, name: str, source: str):
+    patched = folder / name / "rows_int8.c"
+    patched.parent.mkdir(parents=True)
+    patched.write_text(source)
+    sources = tuple(patched if p.name == "rows_int8.c" else p for p in kernel.SOURCES)
+    out = folder / name / "kernel.so"
+    if not kernel.build(kernel.compiler(), out, kernel.FLAGS, sources):
+        sys.exit(f"the {name} build failed")
+    return kernel.load(out)
+
+
+def main(rounds: int, context: int, ks: list[int], before: str) -> None:
+    torch.set_num_threads(2)
+    old = subprocess.run(["git", "show", f"{before}:mtpflow/backends/native/rows_int8.c"], capture_output=True,
+                         text=True, check=True, cwd=kernel.HERE).stdout
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"before": build(Path(tmp), "before", old),
+                "after": build(Path(tmp), "after", (kernel.HERE / "rows_int8.c").read_text())}
+        loaded = load_model(quantize="int8", dtype="float32")
+        backend = backends.create(loaded.model, "native_cpu", int8=loaded.int8)
+        g = torch.Generator().manual_seed(0)
+        prompt = torch.randint(0, backend.w.head.n, (context,), generator=g)
+        floats = KVPool(backend.model, 1)  # the float32 layout the before build reads, allocated as such
+        floats.ensure(context + 64)
+        floats.entry_dtype, floats.entry_width = torch.int8, backend.w.head_dim + 4  # past the backend's layout check
+        targets = {"before": Target(backend, pool=floats), "after": Target(backend)}
+        for name, target in targets.items():
+            target.argmax_only = True
+            backend.lib = libs[name]
+            target.prefill(prompt)
+        start = targets["after"].cache_len
+        drafts = {k: Draft.chain(torch.randint(0, backend.w.head.n, (k,), generator=g)) for k in ks}
+        times: dict[tuple[str, int], list[float]] = {}
+        for rnd in range(rounds):
+            for name in (list(libs) if rnd % 2 == 0 else list(libs)[::-1]):
+                backend.lib, target = libs[name], targets[name]
+                for k, draft in drafts.items():
+                    for i in range(23):
+                        if i == 3:
+                            t0 = time.perf_counter()
+                        target.cache_len = start
+                        target.verify(1, draft, root_position=start)
+                    times.setdefault((name, k), []).append(1000 * (time.perf_counter() - t0) / 20)
+        print(f"context {context}, {rounds} rounds, before = {before}; ms fastest / median")
+        for name in libs:
+            k0 = times[(name, ks[0])]
+            line = f"{name:>6}  K={ks[0]} {min(k0):6.3f} / {statistics.median(k0):6.3f}"
+            for k in ks[1:]:
+                kk = times[(name, k)]
+                line += (f"   K={k} {min(kk):6.3f} / {statistics.median(kk):6.3f} ({min(kk) / min(k0):.2f}x K={ks[0]}, "
+                         f"per round {statistics.median(b / a for a, b in zip(k0, kk)):.2f})")
+            print(line, flush=True)
+        for k in ks:
+            ratio = statistics.median(n / o for o, n in zip(times[("before", k)], times[("after", k)]))
+            print(f"K={k}: after / before, median per round {ratio:.3f}")
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(int(args[0]) if args else 16, int(args[1]) if len(args) > 1 else 256,
+         [int(x) for x in (args[2] if len(args) > 2 else "0,8").split(",")], args[3] if len(args) > 3 else "4813f4e")
