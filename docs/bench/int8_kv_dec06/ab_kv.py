@@ -1,12 +1,13 @@
 """The int8 KV cache against the float32 one: in-process A/B of two builds of the int8 model's decoder stack.
 
-``before`` is rows_int8.c at a commit whose cache held float32 keys and values (4813f4e, the commit before the int8
-cache), ``after`` the working tree's (int8 entries with a scale). Each build reads its own pool layout: ``before`` a
-float32 pool, ``after`` the backend's own. One process loads the int8 model, prefills a cache of ``context`` random
+``before`` is rows_int8.c at a commit (default 4813f4e, the last whose cache held float32 keys and values), ``after``
+the working tree's (int8 entries with a scale). Each build reads its own pool layout: a float32 pool for a build
+before the int8 cache, else the backend's own. One process loads the int8 model, prefills a cache of ``context`` random
 tokens into each pool and alternates the builds round by round (the order reversed every other round): 20 timed
 verify forwards (after 3 untimed) per draft length ``k``. Prints each build's fastest and median ms, each K's
 ratio to K = 0, and the median over the rounds of after / before (a drift of the machine hits both sides alike).
-The two builds compute different models (the cache's numerics differ), so this measures time only.
+Builds on either side of the int8 cache compute different models (the cache's numerics differ): then this measures
+time only.
 
     python docs/bench/int8_kv_dec06/ab_kv.py [rounds] [context] [k,k,...] [before-commit]
 """
@@ -49,10 +50,13 @@ def main(rounds: int, context: int, ks: list[int], before: str) -> None:
         backend = backends.create(loaded.model, "native_cpu", int8=loaded.int8)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, backend.w.head.n, (context,), generator=g)
-        floats = KVPool(backend.model, 1)  # the float32 layout the before build reads, allocated as such
-        floats.ensure(context + 64)
-        floats.entry_dtype, floats.entry_width = torch.int8, backend.w.head_dim + 4  # past the backend's layout check
-        targets = {"before": Target(backend, pool=floats), "after": Target(backend)}
+        if "ENTRY_BYTES" in old:  # a build with the int8 cache: the backend's own pool
+            before_pool = backend.make_pool(1)
+        else:  # the float32 layout the before build reads, allocated as such
+            before_pool = KVPool(backend.model, 1)
+            before_pool.ensure(context + 64)
+            before_pool.entry_dtype, before_pool.entry_width = torch.int8, backend.w.head_dim + 4  # past the check
+        targets = {"before": Target(backend, pool=before_pool), "after": Target(backend)}
         for name, target in targets.items():
             target.argmax_only = True
             backend.lib = libs[name]

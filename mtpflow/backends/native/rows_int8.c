@@ -13,7 +13,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include "rows_common.h"
-#if defined(__AVX2__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -174,6 +174,7 @@ static inline void store_scores(float *s, fvec8 dots, float sq, fvec8 sk, float 
     __builtin_memcpy(s, &f, sizeof f);
 }
 
+#if !(defined(__AVX512VNNI__) && defined(__AVX512BW__))  /* elsewhere block_scores_vnni below */
 /* every query's scores against keys [0, n0 - n0 % KEYS) (d % 8 == 0, d <= 256), the queries quantized already (qf:
  * query qi's values at qi * d, its scale sq[qi]): each block of KEYS keys widened to float once (kf: scratch of KEYS
  * * d floats) for all the queries, two queries at a time sharing each load of a key. The dot products are integers
@@ -216,6 +217,62 @@ static void block_scores(const struct queries *Q, const float *qf, const float *
         }
     }
 }
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define VNNI_KEYS 16  /* keys per block of scores on AVX-512 VNNI: one vector of 16 integer sums */
+#define VNNI_QUERIES 4  /* queries that share each load of a block's keys (independent sums in flight) */
+
+/* the integer dot products of queries q0 .. q0 + nqs - 1 (nqs <= VNNI_QUERIES; their values offset by 128 to unsigned
+ * bytes, d apart in qu) with a block of VNNI_KEYS keys transposed in kt (d / 4 groups of 4 bytes x the keys):
+ * sum (q + 128) k - 128 sum k (corr: 128 sum k per key), exact; then the scores as store_scores computes them */
+static inline void vnni_block(const struct queries *Q, const unsigned char *qu, const float *sq, int q0, int nqs, int t,
+                              int d, float scale, const int32_t *kt, __m512i corr, __m512 sk) {
+    __m512i acc[VNNI_QUERIES];
+    for (int i = 0; i < nqs; i++) acc[i] = _mm512_setzero_si512();
+    for (int j = 0; j < d / 4; j++) {
+        const __m512i k = _mm512_load_si512((const void *)(kt + (size_t)j * VNNI_KEYS));
+        for (int i = 0; i < nqs; i++) {
+            int32_t word;
+            __builtin_memcpy(&word, qu + (size_t)(q0 + i) * d + 4 * j, sizeof word);
+            acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(word), k);
+        }
+    }
+    for (int i = 0; i < nqs; i++) {
+        const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr));
+        const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(dots, _mm512_set1_ps(sq[q0 + i])), sk),
+                                       _mm512_set1_ps(scale));
+        _mm512_storeu_ps(scores_at(Q, q0 + i) + t, f);
+    }
+}
+
+/* block_scores on AVX-512 VNNI (d % 4 == 0, d <= 256): each block of VNNI_KEYS keys transposed once (kt: 16 d bytes,
+ * 64-byte aligned) for all the queries, which read it VNNI_QUERIES at a time; the queries' int8 values offset to
+ * unsigned bytes (qu). The same integers as block_scores, so the same scores. */
+static void block_scores_vnni(const struct queries *Q, const unsigned char *qu, const float *sq, const signed char *keys,
+                              int n0, int d, float scale, int32_t *kt) {
+    const int groups = d / 4, nq = Q->rows * Q->g;
+    const size_t kr = ENTRY_BYTES(d);
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int t = 0; t + VNNI_KEYS <= n0; t += VNNI_KEYS) {
+        float skv[VNNI_KEYS];
+        for (int e = 0; e < VNNI_KEYS; e++) {
+            const signed char *key = keys + (size_t)(t + e) * kr;
+            skv[e] = entry_scale(key, d);
+            for (int j = 0; j < groups; j++) __builtin_memcpy(kt + (size_t)j * VNNI_KEYS + e, key + 4 * j, 4);
+        }
+        __m512i sums = _mm512_setzero_si512();
+        for (int j = 0; j < groups; j++)
+            sums = _mm512_dpbusd_epi32(sums, ones, _mm512_load_si512((const void *)(kt + (size_t)j * VNNI_KEYS)));
+        const __m512i corr = _mm512_slli_epi32(sums, 7);
+        const __m512 sk = _mm512_loadu_ps(skv);
+        int qi = 0;
+        for (; qi + VNNI_QUERIES <= nq; qi += VNNI_QUERIES)
+            vnni_block(Q, qu, sq, qi, VNNI_QUERIES, t, d, scale, kt, corr, sk);
+        if (qi < nq) vnni_block(Q, qu, sq, qi, nq - qi, t, d, scale, kt, corr, sk);
+    }
+}
+#endif
 
 /* o = float(sum_t e[j][t] v[t][c .. c + 8 nv)) * inv for g <= WEIGH queries (weights e[j], each already times its
  * entry's scale, outputs o[j]) and one chunk of nv <= CHUNK vectors of int8 values (entries ENTRY_BYTES(d) apart):
@@ -260,8 +317,8 @@ static void weigh_chunks(const double *const *e, const signed char *values, int 
 #undef WEIGH_G
 }
 
-/* per-thread scratch of the attention: kf (KEYS * 256 floats), qf (a unit's queries quantized: queries * d floats,
- * then their scales), ed (their weights: queries * n doubles), inv (queries floats), sv (the values' scales: n floats) */
+/* per-thread scratch of the attention: kf (KEYS * 256 floats; on VNNI a block's keys transposed), qf (a unit's
+ * queries quantized: queries * d floats, then their scales; on VNNI then their values as unsigned bytes), ed (their weights: queries * n doubles), inv (queries floats), sv (the values' scales: n floats) */
 struct att_scratch {
     float *kf, *qf;
     double *ed;
@@ -280,10 +337,19 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
     float *const sq = w->qf + (size_t)nq * d;
     for (int qi = 0; qi < nq; qi++) sq[qi] = quantize_head(query_at(Q, qi, d), d, w->qf + (size_t)qi * d);
     int from = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    if (d % 4 == 0 && d <= 256) {
+        unsigned char *qu = (unsigned char *)(sq + nq);  /* the queries as unsigned bytes, after their scales */
+        for (size_t i = 0; i < (size_t)nq * d; i++) qu[i] = (unsigned char)((int)w->qf[i] + 128);
+        block_scores_vnni(Q, qu, sq, keys, n0, d, scale, (int32_t *)w->kf);
+        from = n0 - n0 % VNNI_KEYS;
+    }
+#else
     if (d % 8 == 0 && d <= 256) {
         block_scores(Q, w->qf, sq, keys, n0, d, scale, w->kf);
         from = n0 - n0 % KEYS;
     }
+#endif
     for (int qi = 0; qi < nq; qi++) {
         float *s = scores_at(Q, qi);
         const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
