@@ -114,6 +114,11 @@ class KVPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
+    def token_bytes(self) -> int:
+        """The bytes one token's keys and values take, every layer and key / value head."""
+        itemsize = torch.empty(0, dtype=self.entry_dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.entry_width * itemsize
+
 
 class SequenceKV:
     """One sequence's place in the pool: its slot and its length (entries 0..length-1 are valid)."""

@@ -128,7 +128,7 @@ def decode_step_rows(settings, units, n_new: int, bandwidth: float) -> list[dict
                     steps += n - 1
                     contexts.append(int(u["ids"].numel()) + n / 2)
             context = sum(contexts) / max(len(contexts), 1)
-            kv_bytes = int(entry_bytes(engine.pool) * context)
+            kv_bytes = int(engine.pool.token_bytes() * context)
         finally:
             engine.close()
         # the decode phase is the difference of two timings: on a tiny model and a busy machine it can come out
@@ -141,11 +141,6 @@ def decode_step_rows(settings, units, n_new: int, bandwidth: float) -> list[dict
                      "weights_and_kv_gbs": round((weight_bytes + kv_bytes) / step / 1e9, 2),
                      "share_of_bandwidth": round((weight_bytes + kv_bytes) / step / 1e9 / bandwidth, 3)})
     return rows
-
-
-def entry_bytes(pool) -> int:
-    """The bytes one token's keys and values take in ``pool``, every layer (the int8 model's: int8 with a scale)."""
-    return 2 * pool.num_layers * pool.kv_heads * pool.entry_width * torch.empty(0, dtype=pool.entry_dtype).element_size()
 
 
 @torch.inference_mode()

@@ -133,8 +133,9 @@ def test_the_cache_holds_the_references_int8_entries_byte_for_byte():
             assert torch.equal(held[..., :d].float(), entries[layer])
             assert torch.equal(held[..., d:].contiguous().view(torch.float32)[..., 0], scales[layer])
             assert scales[layer].gt(0).all()
-    floats = pool.nbytes() / (2 * len(weights.layers) * pool.max_slots * pool.kv_heads * pool.capacity * d * 4)
-    assert floats == (d + 4) / (4 * d)
+    # what int8_bench counts a token's cache as: the pool's bytes per entry, and a quarter of float32's plus the scales
+    assert pool.token_bytes() * pool.max_slots * pool.capacity == pool.nbytes()
+    assert pool.token_bytes() * 4 * d == KVPool(loaded.model, 1).token_bytes() * (d + 4)
     with pytest.raises(ValueError, match="its own KV pool"):
         backend.run(KVPool(loaded.model, 1), prompt_rows(ids, 0))
 

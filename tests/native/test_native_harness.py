@@ -557,11 +557,8 @@ def _build_edited(tmp_path, name: str, old: str, new: str, source: str = "rows_f
     """The library with one edit in ``source``."""
     text = (kernel.HERE / source).read_text()
     assert text.count(old) == 1, old
-    edited = tmp_path / f"{name}.c"
-    edited.write_text(text.replace(old, new))
     out = tmp_path / f"{name}.so"
-    sources = tuple(edited if p.name == source else p for p in kernel.SOURCES)
-    assert kernel.build(CC, out, ("-O0", "-fopenmp", "-shared", "-fPIC"), sources)
+    assert kernel.build_replacing(out, source, text.replace(old, new), CC, ("-O0", "-fopenmp", "-shared", "-fPIC"))
     return out
 
 

@@ -64,12 +64,8 @@ def build(folder: Path, name: str) -> Path:
         if source.count(old) != 1:
             sys.exit(f"rows_int8.c changed: the {name} patch does not apply")
         source = source.replace(old, new)
-    patched = folder / name / "rows_int8.c"
-    patched.parent.mkdir(parents=True)
-    patched.write_text(source)
-    sources = tuple(patched if p.name == "rows_int8.c" else p for p in kernel.SOURCES)
     out = folder / name / "kernel.so"
-    if not kernel.build(kernel.compiler(), out, kernel.FLAGS, sources):
+    if not kernel.build_replacing(out, "rows_int8.c", source):
         sys.exit(f"the {name} build failed")
     return out
 

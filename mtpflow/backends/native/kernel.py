@@ -67,6 +67,18 @@ def build(cc: str, out: Path, flags: tuple[str, ...] = FLAGS, sources: tuple[Pat
         tmp.unlink(missing_ok=True)
 
 
+def build_replacing(out: Path, name: str, text: str, cc: str | None = None, flags: tuple[str, ...] = FLAGS) -> bool:
+    """The library with the source ``name`` (one of SOURCES) replaced by ``text``, into ``out`` (the edited source
+    written beside it): A/B builds of one file's variants, and the tests' edited builds. False when it fails."""
+    cc = cc or compiler()
+    if cc is None:
+        return False
+    edited = out.parent / f"{out.stem}-{name}"
+    edited.parent.mkdir(parents=True, exist_ok=True)
+    edited.write_text(text)
+    return build(cc, out, flags, tuple(edited if p.name == name else p for p in SOURCES))
+
+
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags (the ``flags`` line of /proc/cpuinfo; empty where there is none)."""
     try:

@@ -68,69 +68,50 @@ static float softmax_exact(float *s, int n, float softcap, double *e) {
 #pragma GCC optimize("fp-contract=fast")
 #endif
 
-/* a row of d values quantized as the int8 model's activations are (int8_reference.quantize_rows): s = max |x| / 127
- * (1 for a row of zeros), each value round(x / s) (half to even) clamped to [-127, 127]. Returns s. */
-static inline float quantize_head(const float *x, int d, float *out) {
-    float amax = 0.0f;
-    for (int i = 0; i < d; i++) {
-        const float a = fabsf(x[i]);
-        if (a > amax) amax = a;
-    }
-    const float s = amax > 0.0f ? amax / 127.0f : 1.0f;
-    for (int i = 0; i < d; i++) {
-        const float v = nearbyintf(x[i] / s);
-        out[i] = v < -127.0f ? -127.0f : (v > 127.0f ? 127.0f : v);
-    }
-    return s;
-}
-
 /* a key or value entry of the pool (one token, one key / value head): its d values as int8, then their scale (a
  * float, unaligned), ENTRY_BYTES(d) bytes in all */
 #define ENTRY_BYTES(d) ((size_t)(d) + sizeof(float))
 
-static inline float entry_scale(const signed char *key, int d) {
+static inline float entry_scale(const signed char *entry, int d) {
     float s;
-    __builtin_memcpy(&s, key + d, sizeof s);
+    __builtin_memcpy(&s, entry + d, sizeof s);
     return s;
 }
 
-/* 8 int8 values widened to float */
-static inline fvec8 widen_q8(const signed char *p) {
+/* a value of mtpflow_quantize_row's bytes: the byte minus Q8_OFFSET where there is one, else the byte read as int8 */
+static inline int q8_value(unsigned char b) {
+    return Q8_OFFSET ? (int)b - Q8_OFFSET : (int)(signed char)b;
+}
+
+/* x [d] into an entry: quantized as an activation row is (mtpflow_quantize_row, int8_reference.quantize_rows), its
+ * bytes (value + Q8_OFFSET) turned into the int8 values */
+static inline void store_entry(const float *x, int d, signed char *entry) {
+    const float s = mtpflow_quantize_row(x, d, d, (unsigned char *)entry);
+#if Q8_OFFSET
+    for (int i = 0; i < d; i++) entry[i] = (signed char)q8_value(((unsigned char *)entry)[i]);
+#endif
+    __builtin_memcpy(entry + d, &s, sizeof s);
+}
+
+/* 8 int8 values as 8 int32 lanes (then widened to float or double, exactly: they are small integers) */
+static inline i32x8 load_q8(const signed char *p) {
 #if defined(__AVX2__)
-    const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    fvec8 out;
-    __builtin_memcpy(&out, &f, sizeof out);
+    const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    i32x8 out;
+    __builtin_memcpy(&out, &v, sizeof out);
     return out;
 #else
-    i32x8 v;
-    for (int i = 0; i < 8; i++) v[i] = p[i];
-    return __builtin_convertvector(v, fvec8);
+    i32x8 out;
+    for (int i = 0; i < 8; i++) out[i] = p[i];
+    return out;
 #endif
 }
 
-/* 8 int8 values widened to double */
-static inline dvec8 widen_q8_double(const signed char *p) {
-#if defined(__AVX512F__)
-    const __m512d f = _mm512_cvtepi32_pd(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    dvec8 out;
-    __builtin_memcpy(&out, &f, sizeof out);
-    return out;
-#else
-    return __builtin_convertvector(widen_q8(p), dvec8);  /* exact: small integers */
-#endif
-}
-
-static inline void store_entry(const float *k, int d, signed char *key, float *tmp) {
-    const float s = quantize_head(k, d, tmp);
-    for (int i = 0; i < d; i++) key[i] = (signed char)tmp[i];
-    __builtin_memcpy(key + d, &s, sizeof s);
-}
-
-/* sum_i q[i] k[i] of an int8 query (held as floats) and an int8 key: an integer below 2^24 in magnitude for d <= 1024,
- * exact in float whatever the order of the sums */
-static inline float dot_q8(const float *q, const signed char *k, int d) {
+/* sum_i q[i] k[i] of a quantized query (mtpflow_quantize_row's bytes, read by q8_value) and an int8 key: an integer
+ * below 2^24 in magnitude for d <= 1024, exact in float */
+static inline float dot_q8(const unsigned char *q, const signed char *k, int d) {
     int acc = 0;
-    for (int i = 0; i < d; i++) acc += (int)q[i] * (int)k[i];
+    for (int i = 0; i < d; i++) acc += q8_value(q[i]) * (int)k[i];
     return (float)acc;
 }
 
@@ -189,7 +170,7 @@ static void block_scores(const struct queries *Q, const float *qf, const float *
             const signed char *key = keys + (size_t)(t + e) * kr;
             sk[e] = entry_scale(key, d);
             for (int i = 0; i < dv; i++)
-                *(fvec8 *)(kf + ((size_t)i * KEYS + e) * 8) = widen_q8(key + 8 * i);
+                *(fvec8 *)(kf + ((size_t)i * KEYS + e) * 8) = __builtin_convertvector(load_q8(key + 8 * i), fvec8);
         }
         int qi = 0;
         for (; qi + 2 <= nq; qi += 2) {
@@ -223,8 +204,8 @@ static void block_scores(const struct queries *Q, const float *qf, const float *
 #define VNNI_KEYS 16  /* keys per block of scores on AVX-512 VNNI: one vector of 16 integer sums */
 #define VNNI_QUERIES 4  /* queries that share each load of a block's keys (independent sums in flight) */
 
-/* the integer dot products of queries q0 .. q0 + nqs - 1 (nqs <= VNNI_QUERIES; their values offset by 128 to unsigned
- * bytes, d apart in qu) with a block of VNNI_KEYS keys transposed in kt (d / 4 groups of 4 bytes x the keys):
+/* the integer dot products of queries q0 .. q0 + nqs - 1 (nqs <= VNNI_QUERIES; mtpflow_quantize_row's bytes, the
+ * values offset by Q8_OFFSET = 128, d apart in qu) with a block of VNNI_KEYS keys transposed in kt (d / 4 groups of 4 bytes x the keys):
  * sum (q + 128) k - 128 sum k (corr: 128 sum k per key), exact; then the scores as store_scores computes them */
 static inline void vnni_block(const struct queries *Q, const unsigned char *qu, const float *sq, int q0, int nqs, int t,
                               int d, float scale, const int32_t *kt, __m512i corr, __m512 sk) {
@@ -247,8 +228,8 @@ static inline void vnni_block(const struct queries *Q, const unsigned char *qu, 
 }
 
 /* block_scores on AVX-512 VNNI (d % 4 == 0, d <= 256): each block of VNNI_KEYS keys transposed once (kt: 16 d bytes,
- * 64-byte aligned) for all the queries, which read it VNNI_QUERIES at a time; the queries' int8 values offset to
- * unsigned bytes (qu). The same integers as block_scores, so the same scores. */
+ * 64-byte aligned) for all the queries, which read it VNNI_QUERIES at a time (qu: as vnni_block reads them). The same
+ * integers as block_scores, so the same scores. */
 static void block_scores_vnni(const struct queries *Q, const unsigned char *qu, const float *sq, const signed char *keys,
                               int n0, int d, float scale, int32_t *kt) {
     const int groups = d / 4, nq = Q->rows * Q->g;
@@ -287,7 +268,7 @@ static inline __attribute__((always_inline)) void weigh(const double *const *e, 
     for (int t = 0; t < n; t++) {
         const signed char *vt = values + (size_t)t * ENTRY_BYTES(d) + c;
         dvec8 v[CHUNK];
-        for (int i = 0; i < nv; i++) v[i] = widen_q8_double(vt + 8 * i);
+        for (int i = 0; i < nv; i++) v[i] = __builtin_convertvector(load_q8(vt + 8 * i), dvec8);
         for (int j = 0; j < g; j++) {
             const double w = e[j][t];
             for (int i = 0; i < nv; i++) acc[j][i] += w * v[i];
@@ -318,7 +299,8 @@ static void weigh_chunks(const double *const *e, const signed char *values, int 
 }
 
 /* per-thread scratch of the attention: kf (KEYS * 256 floats; on VNNI a block's keys transposed), qf (a unit's
- * queries quantized: queries * d floats, then their scales; on VNNI then their values as unsigned bytes), ed (their weights: queries * n doubles), inv (queries floats), sv (the values' scales: n floats) */
+ * queries quantized: queries * d floats for block_scores, then their scales, then their bytes), ed (their weights:
+ * queries * n doubles), inv (queries floats), sv (the values' scales: n floats) */
 struct att_scratch {
     float *kf, *qf;
     double *ed;
@@ -335,17 +317,17 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
     const int nq = Q->rows * Q->g;
     const size_t kr = ENTRY_BYTES(d);
     float *const sq = w->qf + (size_t)nq * d;
-    for (int qi = 0; qi < nq; qi++) sq[qi] = quantize_head(query_at(Q, qi, d), d, w->qf + (size_t)qi * d);
+    unsigned char *const qu = (unsigned char *)(sq + nq);  /* the queries quantized: value + Q8_OFFSET */
+    for (int qi = 0; qi < nq; qi++) sq[qi] = mtpflow_quantize_row(query_at(Q, qi, d), d, d, qu + (size_t)qi * d);
     int from = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (d % 4 == 0 && d <= 256) {
-        unsigned char *qu = (unsigned char *)(sq + nq);  /* the queries as unsigned bytes, after their scales */
-        for (size_t i = 0; i < (size_t)nq * d; i++) qu[i] = (unsigned char)((int)w->qf[i] + 128);
         block_scores_vnni(Q, qu, sq, keys, n0, d, scale, (int32_t *)w->kf);
         from = n0 - n0 % VNNI_KEYS;
     }
 #else
     if (d % 8 == 0 && d <= 256) {
+        for (size_t i = 0; i < (size_t)nq * d; i++) w->qf[i] = (float)q8_value(qu[i]);
         block_scores(Q, w->qf, sq, keys, n0, d, scale, w->kf);
         from = n0 - n0 % KEYS;
     }
@@ -356,7 +338,7 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
         for (int t = from; t < n; t++) {
             if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
             const signed char *key = keys + (size_t)t * kr;
-            s[t] = ((dot_q8(w->qf + (size_t)qi * d, key, d) * sq[qi]) * entry_scale(key, d)) * scale;
+            s[t] = ((dot_q8(qu + (size_t)qi * d, key, d) * sq[qi]) * entry_scale(key, d)) * scale;
         }
         w->inv[qi] = softmax_exact(s, n, softcap, w->ed + (size_t)qi * n);
     }
@@ -531,8 +513,8 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                      sn ? sn + (size_t)r * a->rot : NULL, a->rot);
             for (int j = 0; j < nkv; j++) {  /* the keys and values as int8 entries with their scales */
                 const size_t at = a->slot[r] * slot_stride + ((size_t)j * a->cap + a->wpos[r]) * ENTRY_BYTES(d);
-                store_entry(k + (size_t)j * d, d, (signed char *)a->kc[l] + at, tmp + (size_t)r * H);
-                store_entry(v + (size_t)j * d, d, (signed char *)a->vc[l] + at, tmp + (size_t)r * H);
+                store_entry(k + (size_t)j * d, d, (signed char *)a->kc[l] + at);
+                store_entry(v + (size_t)j * d, d, (signed char *)a->vc[l] + at);
             }
             window_own(w, a->allowed + (size_t)r * a->qmax, a->pos, r, a->first[r], a->count[r],
                        own + (size_t)r * a->qmax);
