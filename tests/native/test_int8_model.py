@@ -112,6 +112,19 @@ def test_the_kernel_forward_is_the_reference_bit_for_bit(tied):
     assert torch.equal(logits[3:], refs[1].forward(single)[0])
 
 
+@needs_native
+@pytest.mark.parametrize("hidden", (256, 320))
+def test_long_weighted_sums_are_the_references_bit_for_bit(hidden):
+    """The weighted values over more keys than one 32-bit span of fixed-point sums (WQ_SPAN, 512) and an odd count,
+    at head sizes the vector path takes whole (64) and with a rest (80): logits equal the reference's."""
+    loaded = tiny_loaded(seed=6, layers=2, hidden=hidden)
+    weights = backends.quantize_int8(loaded.model)
+    backend = backends.create(loaded.model, "auto", int8=weights)
+    ids = torch.randint(1, len(loaded.tokenizer), (701,), generator=torch.Generator().manual_seed(6))
+    logits, _ = backend.run(backend.make_pool(1), prompt_rows(ids, 0))
+    assert torch.equal(logits, R.Int8Reference(weights).forward(ids)[0])
+
+
 def test_the_cache_holds_the_references_int8_entries_byte_for_byte():
     """After a prefill, each layer's keys and values in the pool are the reference's int8 values and float32 scales
     (head_dim int8 bytes, then the scale's 4): a quarter of float32's bytes and a little more. A float32 pool is

@@ -603,6 +603,8 @@ SANITIZE = ("-O1", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefine
 
 def sanitizer_subset(paths: list[str]) -> None:
     """What the sanitized subprocess runs: a few shapes of every entry point on each build in ``paths``."""
+    from helpers import make_tiny_model
+
     torch.set_num_threads(2)
     for path in paths:
         lib = kernel.load(Path(path))
@@ -610,6 +612,8 @@ def sanitizer_subset(paths: list[str]) -> None:
         for seed, case in enumerate(ROWS_CASES[1:3]):
             check_rows(lib, case, seed)
         check_w8a8(lib, rows=(1, 2, 7), shapes=((1, 1), (5, 7), (130, 100)))
+        # head size 80: the attention's vector paths over 64 values and the rest, over an odd number of keys
+        check_int8_forward(lib, make_tiny_model(96, seed=1, layers=1, hidden=320), 1, lengths=(37, 3))
         check_logit_stats(lib)
         print(f"checked {path} (vector width {lib.mtpflow_vector_width()})", flush=True)
 
@@ -676,9 +680,10 @@ def _runtime(name: str) -> str | None:
 
 
 def test_every_entry_point_under_address_and_undefined_behaviour_sanitizers(tmp_path):
-    """The generic build (no -march: the flags below as they are) and the widest one this CPU runs, with ASan and
-    UBSan, through a few shapes of every entry point in a python that preloads ASan's runtime (it must come first
-    in the process); any report fails (UBSan does not recover, ASan stops at the first error)."""
+    """The generic build (no -march: the flags below as they are), the widest one of ISA_FLAGS this CPU runs and
+    the -march=native one (this CPU's own paths, VNNI where it has them), with ASan and UBSan, through a few shapes
+    of every entry point in a python that preloads ASan's runtime (it must come first in the process); any report
+    fails (UBSan does not recover, ASan stops at the first error)."""
     if CC is None:
         pytest.skip("no C compiler to build the sanitized kernels")
     asan = _runtime("libasan.so")
@@ -686,7 +691,8 @@ def test_every_entry_point_under_address_and_undefined_behaviour_sanitizers(tmp_
         pytest.skip(f"{CC} has no AddressSanitizer runtime (libasan.so; Debian: apt-get install libasan8)")
     widest = [isa for isa in ("avx512", "avx2") if isa in kernel.runnable_isas()][:1]
     flag_sets = {"sanitized-generic": SANITIZE,
-                 **{f"sanitized-{isa}": (*SANITIZE, *kernel.ISA_FLAGS[isa]) for isa in widest}}
+                 **{f"sanitized-{isa}": (*SANITIZE, *kernel.ISA_FLAGS[isa]) for isa in widest},
+                 "sanitized-native": (*SANITIZE, "-march=native")}
     with ThreadPoolExecutor(max_workers=2) as pool:
         built = dict(zip(flag_sets, pool.map(lambda item: kernel.build(CC, tmp_path / f"{item[0]}.so", item[1]),
                                              flag_sets.items())))

@@ -21,9 +21,10 @@ A model its layer description describes (``description``: every family of ``desc
   exact integer ``q . k`` (below 2^24 for head sizes up to 1024, so exact in float32 whatever the order of its sums),
   soft-capped where the model caps them
   (``tanh(s / c) * c``), over the keys the layer's sliding window reaches; softmax ``vexp(s - max)`` (the
-  polynomial below), its sum and the weighted values in float64, each rounded once:
-  ``float(sum (e * sv) vq) * (1 / float(sum e))`` with ``e * sv`` in float32 (``vq`` a value's int8 values, ``sv``
-  its scale);
+  polynomial below) with its sum in float64, rounded once; each weight ``w = e * sv`` (float32; ``sv`` its value's
+  scale) in 16-bit fixed point, ``wq = round(w * (WQ_MAX / max w))`` (half to even), and the output
+  ``(float(sum wq vq) * (max w / WQ_MAX)) * (1 / float(sum e))`` with ``sum wq vq`` the exact integer sum over the
+  value's int8 values ``vq``;
 - the gated MLP ``act(g) * u``: SiLU ``g / (1 + vexp(-g))``, GELU-tanh ``g / (1 + vexp(t * -2))`` with
   ``t = ((((g * g) * g) * 0.044715) + g) * 0.7978845608``; ``tanh(y) = 1 - 2 / (1 + vexp(y + y))``; residuals in
   float32; the embedding: the model's float table (for a head tied to it, the int8 head's rows times their
@@ -50,6 +51,9 @@ F32 = torch.float32
 # the integer dot products run as float32 matmuls over chunks of CHUNK columns: every partial sum is an integer
 # below CHUNK * 127 * 127 < 2^24, so each chunk is exact whatever order the matmul sums in
 CHUNK = 1024
+# a query's largest attention weight in the 16-bit fixed point of the weighted values (rows_int8.c's WQ_MAX): each
+# weight within 1 / 65534 of that largest one, the sums exact integers
+WQ_MAX = 32767.0
 
 
 @dataclass
@@ -303,7 +307,8 @@ def attention(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor, val
     """q [rows, heads, d] over the cache's int8 keys and values [kv_heads, n, d] (``quantize_rows``' values, held as
     floats) and their scales [kv_heads, n]; visible [rows, n] bool -> [rows, heads * d]. Each query head is quantized
     as the keys are; a score is the integer dot product (exact in float below 2^24) times the query's scale, the key's
-    scale and ``scale``; each weight is the softmax's exponential times its value's scale."""
+    scale and ``scale``; each weight, the softmax's exponential times its value's scale, weighs the values in 16-bit
+    fixed point (the module's description)."""
     rows, heads, d = q.shape
     group = heads // keys.shape[0]
     qq, sq = quantize_rows(q.transpose(0, 1))  # [heads, rows, d], [heads, rows]
@@ -317,7 +322,11 @@ def attention(q: torch.Tensor, keys: torch.Tensor, key_scales: torch.Tensor, val
     m = scores.amax(dim=-1, keepdim=True)
     e = torch.where(visible[None], vexp(scores - m), _c(0.0))
     inv = _c(1.0) / e.double().sum(dim=-1).float()
-    out = ((e * sv[:, None, :]).double() @ v).float() * inv[..., None]  # [heads, rows, d]
+    w = e * sv[:, None, :]
+    wmax = w.amax(dim=-1, keepdim=True)
+    wq = torch.round(w * (_c(WQ_MAX) / wmax))  # integers up to WQ_MAX
+    # the integer sums are exact in float64 (below 2^53), whatever order the product sums in
+    out = ((wq.double() @ v).float() * (wmax / _c(WQ_MAX))) * inv[..., None]  # [heads, rows, d]
     return out.transpose(0, 1).reshape(rows, heads * d)
 
 

@@ -18,23 +18,25 @@
 #endif
 
 typedef float fvec8 __attribute__((vector_size(32), aligned(4), may_alias));
-typedef double dvec8 __attribute__((vector_size(64)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 
 /* The attention below, over the pool's int8 entries (each key / value head of a token: int8 values, then their float
  * scale): the queries that read the same keys and values (rows of one sequence's verify, times the query heads that
  * share a key / value head) go together, so each key and value is read once for all of them from memory and widened
  * once per key or value block. The scores are integer dot products summed in float (exact below 2^24, in any order);
- * the weighted values are sums in double of float weights times int8 values, each product exact there, rounded once
- * to float. So a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the file's rule
- * above is for the float operations that must round as torch's do). */
+ * the weighted values are integer sums of 16-bit fixed-point weights times int8 values (exact in any order), scaled
+ * once in float. So a fused multiply-add rounds as the multiply and add do: these functions may fuse them (the file's
+ * rule above is for the float operations that must round as torch's do). */
 #define KEYS 8  /* keys per block of scores: one vector of 8 sums */
-#define WEIGH 6  /* queries whose weighted values are summed together: 3 x 64 or 6 x 32 values in 24 registers */
-#define CHUNK 8  /* the most vectors of 8 values in one chunk of the weighted sum */
+#define WEIGH 6  /* queries whose weighted values are summed together: 4 x 16 values each in 24 registers */
+#define WQ_MAX 32767.0f  /* a query's largest weight in fixed point (int8_reference.WQ_MAX) */
+/* tokens whose products sum in 32 bits: WQ_SPAN * WQ_MAX * 127 < 2^31; longer sums go on in double (exact) */
+#define WQ_SPAN 512
 
-/* the softmax of one query's scores s[0, n): its weights, float exponentials widened, into e[0, n) (exponentials VW
- * at a time, a padded copy for the last few: the same vexp for every entry); returns 1 / their sum */
-static float softmax_exact(float *s, int n, float softcap, double *e) {
+/* the softmax of one query's scores s[0, n) and its weights: w_t = e_t * sv_t (float32) into w[0, n), e_t the float
+ * exponential (VW at a time, a padded copy for the last few: the same vexp for every entry; 0 for a masked score) and
+ * sv_t its value's scale; *wmax the largest weight. Returns 1 / sum e (in double, rounded once). */
+static float softmax_weights(float *s, int n, float softcap, const float *sv, float *w, float *wmax) {
     typedef double dvecw __attribute__((vector_size(VW * 8)));
     if (softcap != 0.0f) softcap_scores(s, n, softcap);
     const vec none = splat(-INFINITY);
@@ -47,17 +49,23 @@ static float softmax_exact(float *s, int n, float softcap, double *e) {
     for (; t < n; t++)
         if (s[t] > m) m = s[t];
     dvecw total = {0};
+    vec wm = splat(0.0f);
     for (t = 0; t < n; t += VW) {
-        vec v;
+        vec v, scales;
         const int c = n - t < VW ? n - t : VW;
-        if (c == VW) v = loadv(s + t);
-        else for (int i = 0; i < VW; i++) v[i] = i < c ? s[t + i] : -INFINITY;
+        if (c == VW) v = loadv(s + t), scales = loadv(sv + t);
+        else for (int i = 0; i < VW; i++) v[i] = i < c ? s[t + i] : -INFINITY, scales[i] = i < c ? sv[t + i] : 0.0f;
         const ivec masked = (ivec)(v == none);
-        const dvecw w = __builtin_convertvector((vec)((ivec)vexp(v - m) & ~masked), dvecw);  /* masked: weight 0 */
-        total += w;
-        if (c == VW) __builtin_memcpy(e + t, &w, sizeof w);
-        else for (int i = 0; i < c; i++) e[t + i] = w[i];
+        const vec x = (vec)((ivec)vexp(v - m) & ~masked);  /* masked: weight 0 */
+        total += __builtin_convertvector(x, dvecw);
+        const vec y = x * scales;
+        wm = select_lt(wm, y, y, wm);
+        if (c == VW) __builtin_memcpy(w + t, &y, sizeof y);
+        else for (int i = 0; i < c; i++) w[t + i] = y[i];
     }
+    float top = 0.0f;
+    for (int i = 0; i < VW; i++) top = wm[i] > top ? wm[i] : top;
+    *wmax = top;
     double sum = 0.0;  /* the sum in double, rounded once: its order does not matter (int8_reference.py) */
     for (int i = 0; i < VW; i++) sum += total[i];
     return 1.0f / (float)sum;
@@ -208,7 +216,7 @@ static void block_scores(const struct queries *Q, const float *qf, const float *
  * values offset by Q8_OFFSET = 128, d apart in qu) with a block of VNNI_KEYS keys transposed in kt (d / 4 groups of 4 bytes x the keys):
  * sum (q + 128) k - 128 sum k (corr: 128 sum k per key), exact; then the scores as store_scores computes them */
 static inline void vnni_block(const struct queries *Q, const unsigned char *qu, const float *sq, int q0, int nqs, int t,
-                              int d, float scale, const int32_t *kt, __m512i corr, __m512 sk) {
+                              int d, float scale, const int32_t *kt, __m512i corr, __m512 sk, __mmask16 keep) {
     __m512i acc[VNNI_QUERIES];
     for (int i = 0; i < nqs; i++) acc[i] = _mm512_setzero_si512();
     for (int j = 0; j < d / 4; j++) {
@@ -223,24 +231,58 @@ static inline void vnni_block(const struct queries *Q, const unsigned char *qu, 
         const __m512 dots = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], corr));
         const __m512 f = _mm512_mul_ps(_mm512_mul_ps(_mm512_mul_ps(dots, _mm512_set1_ps(sq[q0 + i])), sk),
                                        _mm512_set1_ps(scale));
-        _mm512_storeu_ps(scores_at(Q, q0 + i) + t, f);
+        _mm512_mask_storeu_ps(scores_at(Q, q0 + i) + t, keep, f);  /* keep: the block's keys */
     }
 }
 
-/* block_scores on AVX-512 VNNI (d % 4 == 0, d <= 256): each block of VNNI_KEYS keys transposed once (kt: 16 d bytes,
- * 64-byte aligned) for all the queries, which read it VNNI_QUERIES at a time (qu: as vnni_block reads them). The same
- * integers as block_scores, so the same scores. */
+/* a 16 x 16 matrix of 32-bit words transposed in registers: r[e][j] into r[j][e] */
+static inline void transpose16(__m512i r[16]) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_castsi512_ps(_mm512_unpacklo_epi32(r[i], r[i + 1]));
+        t[i + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi32(r[i], r[i + 1]));
+    }
+    for (int i = 0; i < 16; i += 4) {
+        u[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[i + 8], 0x88));
+        r[i + 8] = _mm512_castps_si512(_mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD));
+    }
+}
+
+/* block_scores on AVX-512 VNNI (d % 4 == 0, d <= 256), over all n keys (a last block of fewer keys: the rest zeros,
+ * their scores not stored): each block of VNNI_KEYS keys transposed once (transpose16; kt: 16 d bytes, 64-byte
+ * aligned) for all the queries, which read it VNNI_QUERIES at a time (qu: as vnni_block reads them). The same integers
+ * as block_scores, so the same scores. */
 static void block_scores_vnni(const struct queries *Q, const unsigned char *qu, const float *sq, const signed char *keys,
-                              int n0, int d, float scale, int32_t *kt) {
+                              int n, int d, float scale, int32_t *kt) {
     const int groups = d / 4, nq = Q->rows * Q->g;
     const size_t kr = ENTRY_BYTES(d);
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int t = 0; t + VNNI_KEYS <= n0; t += VNNI_KEYS) {
+    for (int t = 0; t < n; t += VNNI_KEYS) {
+        const int count = n - t < VNNI_KEYS ? n - t : VNNI_KEYS;
+        const __mmask16 keep = (__mmask16)((1u << count) - 1);
         float skv[VNNI_KEYS];
-        for (int e = 0; e < VNNI_KEYS; e++) {
-            const signed char *key = keys + (size_t)(t + e) * kr;
-            skv[e] = entry_scale(key, d);
-            for (int j = 0; j < groups; j++) __builtin_memcpy(kt + (size_t)j * VNNI_KEYS + e, key + 4 * j, 4);
+        for (int e = 0; e < VNNI_KEYS; e++) skv[e] = e < count ? entry_scale(keys + (size_t)(t + e) * kr, d) : 0.0f;
+        for (int j0 = 0; j0 < groups; j0 += 16) {  /* 16 groups of 4 bytes of each key a time */
+            const int m = groups - j0 < 16 ? groups - j0 : 16;
+            const __mmask16 words = (__mmask16)((1u << m) - 1);
+            __m512i r[16];
+            for (int e = 0; e < VNNI_KEYS; e++)
+                r[e] = e < count ? _mm512_maskz_loadu_epi32(words, keys + (size_t)(t + e) * kr + 4 * j0)
+                                 : _mm512_setzero_si512();
+            transpose16(r);
+            for (int j = 0; j < m; j++) _mm512_store_si512((void *)(kt + (size_t)(j0 + j) * VNNI_KEYS), r[j]);
         }
         __m512i sums = _mm512_setzero_si512();
         for (int j = 0; j < groups; j++)
@@ -249,69 +291,121 @@ static void block_scores_vnni(const struct queries *Q, const unsigned char *qu, 
         const __m512 sk = _mm512_loadu_ps(skv);
         int qi = 0;
         for (; qi + VNNI_QUERIES <= nq; qi += VNNI_QUERIES)
-            vnni_block(Q, qu, sq, qi, VNNI_QUERIES, t, d, scale, kt, corr, sk);
-        if (qi < nq) vnni_block(Q, qu, sq, qi, nq - qi, t, d, scale, kt, corr, sk);
+            vnni_block(Q, qu, sq, qi, VNNI_QUERIES, t, d, scale, kt, corr, sk, keep);
+        if (qi < nq) vnni_block(Q, qu, sq, qi, nq - qi, t, d, scale, kt, corr, sk, keep);
     }
 }
 #endif
 
-/* o = float(sum_t e[j][t] v[t][c .. c + 8 nv)) * inv for g <= WEIGH queries (weights e[j], each already times its
- * entry's scale, outputs o[j]) and one chunk of nv <= CHUNK vectors of int8 values (entries ENTRY_BYTES(d) apart):
- * each value widened once for the g queries, every output lane in registers.
- * A weight of 0 (a masked entry) is summed like any other, as the reference's product of matrices sums it. */
-static inline __attribute__((always_inline)) void weigh(const double *const *e, const signed char *values, int n, int d,
-                                                        int c, const int g, const int nv, const float *inv,
-                                                        float *const *o) {
-    dvec8 acc[WEIGH][CHUNK];
+/* A query's weights w[0, n) (softmax_weights') in 16-bit fixed point: wq_t = round(w_t * (WQ_MAX / wmax)) (half to
+ * even) into wq[0, n), a 0 after an odd n (wq holds n + n % 2); returns the fixed point's unit, wmax / WQ_MAX. */
+static float quantize_weights(const float *e, float wmax, int n, int16_t *wq) {
+    const float r = WQ_MAX / wmax;  /* wmax > 0: the largest score's exponential is 1, a scale is positive */
+    int t = 0;
+#if defined(__AVX512F__)
+    for (; t + 16 <= n; t += 16)  /* round to nearest even: the default rounding mode */
+        _mm256_storeu_si256((__m256i *)(wq + t),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(e + t),
+                                                                                     _mm512_set1_ps(r)))));
+#endif
+    for (; t < n; t++) wq[t] = (int16_t)__builtin_rintf(e[t] * r);
+    if (n & 1) wq[n] = 0;
+    return wmax / WQ_MAX;
+}
+
+/* The weighted sums: sums [g][d] (doubles) += sum_t wq[j][t] v[t][c] over tokens [t0, t1) (t1 - t0 <= WQ_SPAN, t0
+ * even) for g <= WEIGH queries, exact integers in 32 bits added into the double sums exactly. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* 16 values of tokens t and t + 1 (va, vb) as 16 lanes of their two int16 values: (va[i], vb[i]) */
+static inline __m512i value_pairs(const signed char *va, const signed char *vb) {
+    const __m128i a = _mm_loadu_si128((const __m128i *)va), b = _mm_loadu_si128((const __m128i *)vb);
+    return _mm512_cvtepi8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b)));
+}
+
+/* on AVX-512 VNNI, 64 columns [c, c + 64) a call, each pair of tokens read once for the g queries (vpdpwssd: a
+ * lane's two weights times its two values, added); the g x 4 sums in registers */
+static inline __attribute__((always_inline)) void weigh_span(const int16_t *const *wq, const signed char *values, int t0,
+                                                             int t1, int n, int d, int c, const int g, double *sums) {
+    __m512i acc[WEIGH][4];
     for (int j = 0; j < g; j++)
-        for (int i = 0; i < nv; i++) acc[j][i] = (dvec8){0};
-    for (int t = 0; t < n; t++) {
-        const signed char *vt = values + (size_t)t * ENTRY_BYTES(d) + c;
-        dvec8 v[CHUNK];
-        for (int i = 0; i < nv; i++) v[i] = __builtin_convertvector(load_q8(vt + 8 * i), dvec8);
+        for (int i = 0; i < 4; i++) acc[j][i] = _mm512_setzero_si512();
+    for (int t = t0; t < t1; t += 2) {
+        const signed char *va = values + (size_t)t * ENTRY_BYTES(d) + c;
+        const signed char *vb = t + 1 < n ? va + ENTRY_BYTES(d) : va;  /* past an odd n: its weight is 0 */
+        __m512i v[4];
+        for (int i = 0; i < 4; i++) v[i] = value_pairs(va + 16 * i, vb + 16 * i);
         for (int j = 0; j < g; j++) {
-            const double w = e[j][t];
-            for (int i = 0; i < nv; i++) acc[j][i] += w * v[i];
+            int32_t both;
+            __builtin_memcpy(&both, wq[j] + t, sizeof both);
+            const __m512i w = _mm512_set1_epi32(both);
+            for (int i = 0; i < 4; i++) acc[j][i] = _mm512_dpwssd_epi32(acc[j][i], w, v[i]);
         }
     }
     for (int j = 0; j < g; j++)
-        for (int i = 0; i < nv; i++) {
-            const fvec8 f = __builtin_convertvector(acc[j][i], fvec8) * inv[j];
-            __builtin_memcpy(o[j] + c + 8 * i, &f, sizeof f);
+        for (int i = 0; i < 4; i++) {
+            double *out = sums + (size_t)j * d + c + 16 * i;
+            _mm512_storeu_pd(out, _mm512_add_pd(_mm512_loadu_pd(out),
+                                                _mm512_cvtepi32_pd(_mm512_castsi512_si256(acc[j][i]))));
+            _mm512_storeu_pd(out + 8, _mm512_add_pd(_mm512_loadu_pd(out + 8),
+                                                    _mm512_cvtepi32_pd(_mm512_extracti64x4_epi64(acc[j][i], 1))));
         }
 }
 
-/* weigh for g in 1..WEIGH queries over all d values: the counts constants in each call, so the accumulators
- * stay in registers. Up to 3 queries take 64 values a chunk (each row of values read whole, in order, as a one-row
- * step streams them), more take 32. */
-static void weigh_chunks(const double *const *e, const signed char *values, int n, int d, int g, const float *inv,
-                         float *const *o) {
-    int c = 0;
-#define WEIGH_G(G, NV)                                                                      \
-    case G:                                                                                 \
-        for (; c + 8 * NV <= d; c += 8 * NV) weigh(e, values, n, d, c, G, NV, inv, o);      \
-        for (; c < d; c += 8) weigh(e, values, n, d, c, G, 1, inv, o); /* d's rest, d % 8 == 0 */ \
-        break;
-    switch (g) {
-        WEIGH_G(1, 8) WEIGH_G(2, 8) WEIGH_G(3, 8) WEIGH_G(4, 4) WEIGH_G(5, 4) WEIGH_G(6, 4)
-    }
+#endif
+
+/* weigh's sums for the columns [c0, d), one query at a time, 64 columns at a time: the compiler's vectors */
+static void weigh_columns(const int16_t *const *wq, const signed char *values, int t0, int t1, int c0, int d, int g,
+                          double *sums) {
+    for (int j = 0; j < g; j++)
+        for (int c = c0; c < d; c += 64) {
+            const int nc = d - c < 64 ? d - c : 64;
+            int32_t acc[64] = {0};
+            for (int t = t0; t < t1; t++) {
+                const signed char *vt = values + (size_t)t * ENTRY_BYTES(d) + c;
+                const int32_t w = wq[j][t];
+                for (int i = 0; i < nc; i++) acc[i] += w * (int32_t)vt[i];
+            }
+            for (int i = 0; i < nc; i++) sums[(size_t)j * d + c + i] += (double)acc[i];
+        }
+}
+
+/* o[j] = ((float)(sum_t wq[j][t] v[t]) * unit[j]) * inv[j] for g <= WEIGH queries over values [0, n) (entries
+ * ENTRY_BYTES(d) apart): the sums exact, in WQ_SPAN tokens at a time (sums: g * d doubles of scratch) */
+static void weigh(const int16_t *const *wq, const signed char *values, int n, int d, int g, const float *unit,
+                  const float *inv, float *const *o, double *sums) {
+    for (int i = 0; i < g * d; i++) sums[i] = 0.0;
+    for (int t0 = 0; t0 < n; t0 += WQ_SPAN) {
+        const int t1 = n - t0 < WQ_SPAN ? n : t0 + WQ_SPAN;
+        int c = 0;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+        for (; c + 64 <= d; c += 64) {
+#define WEIGH_G(G) case G: weigh_span(wq, values, t0, t1, n, d, c, G, sums); break;
+            switch (g) { WEIGH_G(1) WEIGH_G(2) WEIGH_G(3) WEIGH_G(4) WEIGH_G(5) WEIGH_G(6) }
 #undef WEIGH_G
+        }
+#endif
+        if (c < d) weigh_columns(wq, values, t0, t1, c, d, g, sums);
+    }
+    for (int j = 0; j < g; j++)
+        for (int i = 0; i < d; i++) o[j][i] = ((float)sums[(size_t)j * d + i] * unit[j]) * inv[j];
 }
 
 /* per-thread scratch of the attention: kf (KEYS * 256 floats; on VNNI a block's keys transposed), qf (a unit's
- * queries quantized: queries * d floats for block_scores, then their scales, then their bytes), ed (their weights:
- * queries * n doubles), inv (queries floats), sv (the values' scales: n floats) */
+ * queries quantized: queries * d floats for block_scores, then their scales, then their bytes), e (their weights:
+ * queries * n floats), wq (the weights in fixed point: queries * (n + 1) int16), inv and unit (queries floats each),
+ * sv (the values' scales: n floats), sums (WEIGH * d doubles) */
 struct att_scratch {
-    float *kf, *qf;
-    double *ed;
-    float *inv, *sv;
+    float *kf, *qf, *e;
+    int16_t *wq;
+    float *inv, *unit, *sv;
+    double *sums;
 };
 
 /* the attention of queries Q over keys and values [n] (int8 entries of ENTRY_BYTES(d) bytes), of which the first n0
  * are visible to every query and the rest only where the query row's own[t - n0]. Each query is quantized as the
  * keys are; a score is the integer dot product times both scales, times the model's scale; a weight, the softmax's
- * exponential times its value's scale (float32), sums the int8 values in double (each product exact). The vector
- * paths take d % 8 == 0 (scores: d <= 256); other sizes the scalar loops. */
+ * exponential times its value's scale (float32), in 16-bit fixed point (quantize_weights) weighs the int8 values in
+ * an exact integer sum (weigh). The vector scores take d % 8 == 0 and d <= 256; other sizes the scalar loop. */
 static void attend_exact(const struct queries *Q, const signed char *keys, const signed char *values, int n0, int n, int d,
                          float scale, float softcap, const struct att_scratch *w) {
     const int nq = Q->rows * Q->g;
@@ -319,11 +413,13 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
     float *const sq = w->qf + (size_t)nq * d;
     unsigned char *const qu = (unsigned char *)(sq + nq);  /* the queries quantized: value + Q8_OFFSET */
     for (int qi = 0; qi < nq; qi++) sq[qi] = mtpflow_quantize_row(query_at(Q, qi, d), d, d, qu + (size_t)qi * d);
+    for (int t = 0; t < n; t++) w->sv[t] = entry_scale(values + (size_t)t * kr, d);
+    const size_t np = (size_t)n + 1;  /* wq's room per query: n and a 0 after an odd n */
     int from = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (d % 4 == 0 && d <= 256) {
-        block_scores_vnni(Q, qu, sq, keys, n0, d, scale, (int32_t *)w->kf);
-        from = n0 - n0 % VNNI_KEYS;
+        block_scores_vnni(Q, qu, sq, keys, n, d, scale, (int32_t *)w->kf);
+        from = n;
     }
 #else
     if (d % 8 == 0 && d <= 256) {
@@ -335,36 +431,23 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
     for (int qi = 0; qi < nq; qi++) {
         float *s = scores_at(Q, qi);
         const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
+        for (int t = n0; t < from; t++)  /* the new entries the block scores cover that this row does not see */
+            if (!own[t - n0]) s[t] = -INFINITY;
         for (int t = from; t < n; t++) {
             if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
             const signed char *key = keys + (size_t)t * kr;
             s[t] = ((dot_q8(qu + (size_t)qi * d, key, d) * sq[qi]) * entry_scale(key, d)) * scale;
         }
-        w->inv[qi] = softmax_exact(s, n, softcap, w->ed + (size_t)qi * n);
+        float wmax;
+        w->inv[qi] = softmax_weights(s, n, softcap, w->sv, w->e + (size_t)qi * n, &wmax);
+        w->unit[qi] = quantize_weights(w->e + (size_t)qi * n, wmax, n, w->wq + (size_t)qi * np);
     }
-    for (int t = 0; t < n; t++) w->sv[t] = entry_scale(values + (size_t)t * kr, d);
-    for (int qi = 0; qi < nq; qi++) {  /* each weight times its value's scale, in float32 */
-        double *e = w->ed + (size_t)qi * n;
-        for (int t = 0; t < n; t++) e[t] = (double)((float)e[t] * w->sv[t]);
-    }
-    if (d % 8 == 0) {
-        for (int j = 0; j < nq; j += WEIGH) {
-            const int g = nq - j < WEIGH ? nq - j : WEIGH;
-            const double *e[WEIGH];
-            float *o[WEIGH];
-            for (int i = 0; i < g; i++) { e[i] = w->ed + (size_t)(j + i) * n; o[i] = out_at(Q, j + i, d); }
-            weigh_chunks(e, values, n, d, g, w->inv + j, o);
-        }
-        return;
-    }
-    for (int qi = 0; qi < nq; qi++) {
-        const double *e = w->ed + (size_t)qi * n;
-        float *o = out_at(Q, qi, d);
-        for (int i = 0; i < d; i++) {
-            double acc = 0.0;
-            for (int t = 0; t < n; t++) acc += e[t] * (double)values[(size_t)t * kr + i];
-            o[i] = (float)acc * w->inv[qi];
-        }
+    for (int j = 0; j < nq; j += WEIGH) {
+        const int g = nq - j < WEIGH ? nq - j : WEIGH;
+        const int16_t *wq[WEIGH];
+        float *o[WEIGH];
+        for (int i = 0; i < g; i++) { wq[i] = w->wq + (size_t)(j + i) * np; o[i] = out_at(Q, j + i, d); }
+        weigh(wq, values, n, d, g, w->unit + j, w->inv + j, o, w->sums);
     }
 }
 
@@ -476,7 +559,11 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                           (size_t)teams * ((size_t)M * nh + 2 * M + 1);
     /* each thread's attention scratch (struct att_scratch), 64-byte aligned: a unit has at most widest x group
      * queries */
-    const size_t unit_q = (size_t)widest * group, doubles = KEYS * 256 + unit_q * (d + longest) + unit_q + longest + 8;
+    const size_t unit_q = (size_t)widest * group;
+    /* in doubles: kf, qf (d + 1 per query), e and wq (n floats and n + 1 int16 per query: under n + 1 doubles), unit
+     * and sv (floats), sums; each part rounded up to whole doubles */
+    const size_t doubles = KEYS * 256 + unit_q * (d + 1) + unit_q * ((size_t)longest + 1) + unit_q + longest + 1 +
+                           (size_t)WEIGH * d + 8;
     char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max + (size_t)M * a->qmax);
     double *att_buf = malloc((size_t)teams * doubles * sizeof(double) + 64);
     if (!buf || !att_buf) { free(buf); free(att_buf); return -1; }
@@ -492,10 +579,13 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     /* this thread's rows [r0, r1) */
     const int r0 = (int)((long)M * t / nt), r1 = (int)((long)M * (t + 1) / nt);
     double *const mine = (double *)(((uintptr_t)(att_buf + (size_t)t * doubles) + 63) & ~(uintptr_t)63);
-    /* kf and qf in doubles' room: KEYS * 256 doubles for kf, unit_q * d + unit_q (their scales) for qf; sv after ed */
-    const struct att_scratch scratch = {(float *)mine, (float *)(mine + KEYS * 256),
-                                        mine + KEYS * 256 + unit_q * d + unit_q, invs + (size_t)t * M * nh,
-                                        (float *)(mine + KEYS * 256 + unit_q * (d + longest) + unit_q)};
+    /* doubles' parts in order (see doubles above) */
+    double *const qf_at = mine + KEYS * 256, *const e_at = qf_at + unit_q * (d + 1),
+                 *const unit_at = e_at + unit_q * ((size_t)longest + 1), *const sv_at = unit_at + unit_q,
+                 *const sums_at = sv_at + longest + 1;
+    const struct att_scratch scratch = {(float *)mine, (float *)qf_at, (float *)e_at,
+                                        (int16_t *)((float *)e_at + unit_q * (size_t)longest),
+                                        invs + (size_t)t * M * nh, (float *)unit_at, (float *)sv_at, sums_at};
     int *const lo = ints + (size_t)t * (2 * M + 1), *const runs = lo + M;  /* this thread's: each row's window start */
     const struct team team = {&barrier, t, nt, r0, r1};
     for (int r = r0; r < r1; r++) {  /* the first layer's norm; each later one follows its residual below */
