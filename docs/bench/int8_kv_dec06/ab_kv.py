@@ -36,29 +36,27 @@ def build(folder: Path, name: str, source: str):
     return kernel.load(out)
 
 
-def main(rounds: int, context: int, ks: list[int], before: str) -> None:
+def compare(sources: dict[str, str], context: int, ks: list[int], rounds: int, pools=None) -> dict:
+    """Builds of rows_int8.c from ``sources`` (name -> text) timed against each other in this process: the int8
+    model's cache prefilled with ``context`` random tokens in each build's pool (``pools[name]``, default the
+    backend's own), then ``rounds`` rounds alternating the builds (the order reversed every other round), 20 timed
+    verify forwards (after 3 untimed) per draft length. Prints each build's fastest and median ms and each K's ratio
+    to the first K; returns the times {(name, k): [ms per round]}."""
     torch.set_num_threads(2)
-    old = subprocess.run(["git", "show", f"{before}:mtpflow/backends/native/rows_int8.c"], capture_output=True,
-                         text=True, check=True, cwd=kernel.HERE).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        libs = {"before": build(Path(tmp), "before", old),
-                "after": build(Path(tmp), "after", (kernel.HERE / "rows_int8.c").read_text())}
+        libs = {name: build(Path(tmp), name, text) for name, text in sources.items()}
         loaded = load_model(quantize="int8", dtype="float32")
         backend = backends.create(loaded.model, "native_cpu", int8=loaded.int8)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, backend.w.head.n, (context,), generator=g)
-        if "ENTRY_BYTES" in old:  # a build with the int8 cache: the backend's own pool
-            before_pool = backend.make_pool(1)
-        else:  # the float32 layout the before build reads, allocated as such
-            before_pool = KVPool(backend.model, 1)
-            before_pool.ensure(context + 64)
-            before_pool.entry_dtype, before_pool.entry_width = torch.int8, backend.w.head_dim + 4  # past the check
-        targets = {"before": Target(backend, pool=before_pool), "after": Target(backend)}
-        for name, target in targets.items():
-            target.argmax_only = True
+        targets = {}
+        for name in libs:
+            pool = (pools or {}).get(name, lambda backend: backend.make_pool(1))(backend)
+            targets[name] = Target(backend, pool=pool)
+            targets[name].argmax_only = True
             backend.lib = libs[name]
-            target.prefill(prompt)
-        start = targets["after"].cache_len
+            targets[name].prefill(prompt)
+        start = targets[name].cache_len
         drafts = {k: Draft.chain(torch.randint(0, backend.w.head.n, (k,), generator=g)) for k in ks}
         times: dict[tuple[str, int], list[float]] = {}
         for rnd in range(rounds):
@@ -71,18 +69,38 @@ def main(rounds: int, context: int, ks: list[int], before: str) -> None:
                         target.cache_len = start
                         target.verify(1, draft, root_position=start)
                     times.setdefault((name, k), []).append(1000 * (time.perf_counter() - t0) / 20)
-        print(f"context {context}, {rounds} rounds, before = {before}; ms fastest / median")
-        for name in libs:
-            k0 = times[(name, ks[0])]
-            line = f"{name:>6}  K={ks[0]} {min(k0):6.3f} / {statistics.median(k0):6.3f}"
-            for k in ks[1:]:
-                kk = times[(name, k)]
-                line += (f"   K={k} {min(kk):6.3f} / {statistics.median(kk):6.3f} ({min(kk) / min(k0):.2f}x K={ks[0]}, "
-                         f"per round {statistics.median(b / a for a, b in zip(k0, kk)):.2f})")
-            print(line, flush=True)
-        for k in ks:
-            ratio = statistics.median(n / o for o, n in zip(times[("before", k)], times[("after", k)]))
-            print(f"K={k}: after / before, median per round {ratio:.3f}")
+    print(f"context {context}, {rounds} rounds; ms fastest / median")
+    for name in libs:
+        k0 = times[(name, ks[0])]
+        line = f"{name:>6}  K={ks[0]} {min(k0):6.3f} / {statistics.median(k0):6.3f}"
+        for k in ks[1:]:
+            kk = times[(name, k)]
+            line += (f"   K={k} {min(kk):6.3f} / {statistics.median(kk):6.3f} ({min(kk) / min(k0):.2f}x K={ks[0]}, "
+                     f"per round {statistics.median(b / a for a, b in zip(k0, kk)):.2f})")
+        print(line, flush=True)
+    return times
+
+
+def float32_pool(context: int):
+    """The float32 pool layout a build before the int8 cache reads, allocated as such (past the layout check)."""
+    def make(backend):
+        pool = KVPool(backend.model, 1)
+        pool.ensure(context + 64)
+        pool.entry_dtype, pool.entry_width = torch.int8, backend.w.head_dim + 4
+        return pool
+    return make
+
+
+def main(rounds: int, context: int, ks: list[int], before: str) -> None:
+    old = subprocess.run(["git", "show", f"{before}:mtpflow/backends/native/rows_int8.c"], capture_output=True,
+                         text=True, check=True, cwd=kernel.HERE).stdout
+    print(f"before = {before}")
+    # a build before the int8 cache reads the float32 layout; one with it, the backend's own pool
+    pools = None if "ENTRY_BYTES" in old else {"before": float32_pool(context)}
+    times = compare({"before": old, "after": (kernel.HERE / "rows_int8.c").read_text()}, context, ks, rounds, pools)
+    for k in ks:
+        ratio = statistics.median(n / o for o, n in zip(times[("before", k)], times[("after", k)]))
+        print(f"K={k}: after / before, median per round {ratio:.3f}")
 
 
 if __name__ == "__main__":
