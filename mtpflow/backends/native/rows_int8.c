@@ -101,7 +101,7 @@ static inline void store_entry(const float *x, int d, signed char *entry) {
     __builtin_memcpy(entry + d, &s, sizeof s);
 }
 
-/* 8 int8 values as 8 int32 lanes (then widened to float or double, exactly: they are small integers) */
+/* 8 int8 values as 8 int32 lanes (then widened to float exactly: they are small integers) */
 static inline i32x8 load_q8(const signed char *p) {
 #if defined(__AVX2__)
     const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p));
@@ -430,14 +430,13 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
 #endif
     for (int qi = 0; qi < nq; qi++) {
         float *s = scores_at(Q, qi);
-        const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
-        for (int t = n0; t < from; t++)  /* the new entries the block scores cover that this row does not see */
-            if (!own[t - n0]) s[t] = -INFINITY;
-        for (int t = from; t < n; t++) {
-            if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
+        for (int t = from; t < n; t++) {  /* the keys the block scores leave */
             const signed char *key = keys + (size_t)t * kr;
             s[t] = ((dot_q8(qu + (size_t)qi * d, key, d) * sq[qi]) * entry_scale(key, d)) * scale;
         }
+        const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
+        for (int t = n0; t < n; t++)  /* the new entries this row does not see */
+            if (!own[t - n0]) s[t] = -INFINITY;
         float wmax;
         w->inv[qi] = softmax_weights(s, n, softcap, w->sv, w->e + (size_t)qi * n, &wmax);
         w->unit[qi] = quantize_weights(w->e + (size_t)qi * n, wmax, n, w->wq + (size_t)qi * np);
