@@ -29,31 +29,69 @@ def run(governor, seconds, rows=1, model=MODEL):
     return n
 
 
+def machine(governor, two, one, rows=1, model=MODEL):
+    """One forward on a machine where it takes ``two`` seconds on two threads and ``one`` on one; returns the count
+    it ran on."""
+    n = governor.threads()
+    governor.observe(model, rows, two if n == 2 else one, n)
+    return n
+
+
+QUIET = (0.005, 0.0085)  # seconds on two threads, on one: a quiet machine's two cores
+TAKEN = (0.015, 0.009)  # another process on one core: the two-thread forwards wait on the thread that lost its core
+
+
 def test_a_quiet_machine_keeps_every_thread(two_threads):
+    """On a quiet machine the odd slow forward decides nothing, and each trial of one thread (PROBE forwards, the
+    first after WINDOW, then one every EXPLORE) goes back to all threads."""
     g = T.ThreadGovernor(enabled=True)
-    noise = [1.0, 1.3, 1.1, 1.9, 1.0, 1.2, 5.0, 1.1] * 8  # the odd slow forward among fast ones
-    assert {run(g, 0.005 * x) for x in noise} == {2}
-    assert g.switches == 0 and torch.get_num_threads() == 2
+    noise = [1.0, 1.3, 1.1, 1.9, 1.0, 1.2, 5.0, 1.1]
+    counts = [machine(g, QUIET[0] * noise[i % 8], QUIET[1] * noise[i % 8]) for i in range(T.WINDOW + 2 * T.EXPLORE + 3 * T.PROBE)]
+    assert g.trials == 3 and counts.count(1) == 3 * T.PROBE
+    assert g.switches == 0 and not g.one and torch.get_num_threads() == 2
 
 
 def test_a_taken_core_sends_the_forwards_to_one_thread_then_all_are_tried_again(two_threads):
     g = T.ThreadGovernor(enabled=True)
     for _ in range(T.WINDOW):
-        assert run(g, 0.005) == 2
+        machine(g, *QUIET)
+    assert g.trials == 1 and all(machine(g, *QUIET) == 1 for _ in range(T.PROBE)) and not g.one
     # a core taken: every forward three times its fastest; the decision waits until they are half a window or more
     slow = 0
     while g.switches == 0 and slow < 2 * T.WINDOW:
-        assert run(g, 0.015) == 2
+        assert machine(g, *TAKEN) == 2
         slow += 1
     assert T.WINDOW // 2 <= slow <= T.WINDOW and torch.get_num_threads() == 1
-    assert [run(g, 0.007) for _ in range(T.BACKOFF)] == [1] * T.BACKOFF
-    assert torch.get_num_threads() == 2 and g.threads() == 2
-    # still taken: PROBE slow forwards on all threads, and back to one
-    assert [run(g, 0.015) for _ in range(T.PROBE)] == [2] * T.PROBE
-    assert g.switches == 2 and g.threads() == 1
-    assert [run(g, 0.007) for _ in range(T.BACKOFF)] == [1] * T.BACKOFF
-    # the core is back: all threads stay
-    assert {run(g, 0.005) for _ in range(3 * T.WINDOW)} == {2} and g.switches == 2
+    assert [machine(g, *TAKEN) for _ in range(T.BACKOFF)] == [1] * T.BACKOFF
+    # still taken: a trial of PROBE forwards on all threads, slower, and back to one
+    assert [machine(g, *TAKEN) for _ in range(T.PROBE)] == [2] * T.PROBE
+    assert g.switches == 1 and g.one and g.threads() == 1
+    assert [machine(g, *QUIET) for _ in range(T.BACKOFF)] == [1] * T.BACKOFF
+    # the core is back: the next trial finds all threads faster, and they stay
+    assert [machine(g, *QUIET) for _ in range(T.PROBE)] == [2] * T.PROBE
+    assert not g.one and torch.get_num_threads() == 2
+    assert {machine(g, *QUIET) for _ in range(3 * T.WINDOW)} == {2} and g.switches == 1
+
+
+def test_a_process_that_starts_on_a_taken_core_finds_one_thread_faster(two_threads):
+    """Its fastest forward on all threads is a slow one, so the quick switch never fires; the first trial (after
+    WINDOW forwards) finds one thread faster and keeps it."""
+    g = T.ThreadGovernor(enabled=True)
+    assert [machine(g, *TAKEN) for _ in range(T.WINDOW)] == [2] * T.WINDOW
+    assert [machine(g, *TAKEN) for _ in range(T.PROBE)] == [1] * T.PROBE
+    assert g.one and g.switches == 1 and torch.get_num_threads() == 1
+    assert {machine(g, *TAKEN) for _ in range(T.BACKOFF)} == {1}
+
+
+def test_a_trial_compares_forwards_of_the_same_rows(two_threads):
+    """Trial forwards of a row count the count in use has not run yet are not compared: a verify of 9 rows on one
+    thread is not judged against one-row steps on two."""
+    g = T.ThreadGovernor(enabled=True)
+    for _ in range(T.WINDOW):
+        machine(g, *QUIET)
+    for _ in range(T.PROBE):
+        machine(g, 0.001, 0.002, rows=9)  # would look faster than the one-row steps
+    assert not g.one and g.switches == 0
 
 
 def test_prefills_and_single_thread_processes_are_left_alone(two_threads):
@@ -83,8 +121,10 @@ def test_each_model_is_compared_with_its_own_forwards(two_threads):
     g = T.ThreadGovernor(enabled=True)
     int8, float32 = Model(), Model()
     for _ in range(T.WINDOW):
-        run(g, 0.005, model=int8)
-    assert {run(g, 0.015, model=float32) for _ in range(3 * T.WINDOW)} == {2} and g.switches == 0
+        machine(g, 0.005, 0.0085, model=int8)
+    for _ in range(3 * T.WINDOW):
+        machine(g, 0.015, 0.025, model=float32)
+    assert g.switches == 0 and not g.one
 
 
 def test_a_cheaper_kind_of_forward_is_not_the_measure_of_the_models_own(two_threads):
@@ -92,8 +132,9 @@ def test_a_cheaper_kind_of_forward_is_not_the_measure_of_the_models_own(two_thre
     does not make the full forwards look slow."""
     g = T.ThreadGovernor(enabled=True)
     for _ in range(T.WINDOW):
-        g.observe(MODEL, 1, 0.005, g.threads(), kind=True)  # the draft forwards
+        n = g.threads()
+        g.observe(MODEL, 1, 0.005 if n == 2 else 0.0085, n, kind=True)  # the draft forwards
     for _ in range(3 * T.WINDOW):
-        assert g.threads() == 2
-        g.observe(MODEL, 1, 0.015, 2, kind=False)  # the target's own
-    assert g.switches == 0
+        n = g.threads()
+        g.observe(MODEL, 1, 0.015 if n == 2 else 0.025, n, kind=False)  # the target's own
+    assert g.switches == 0 and not g.one
