@@ -34,11 +34,13 @@ StepCallback = Callable[[StepRecord | None, list[int]], None]
 
 
 def _close_under_ancestors(keep: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    keep = keep.clone()
+    """``keep`` without the nodes whose parent it drops (parents in topological order), over lists: indexing a
+    tensor element by element cost more than the rest of a small draft's pruning."""
+    out = keep.tolist()
     for i, p in enumerate(parents.tolist()):
-        if p >= 0 and not keep[p]:
-            keep[i] = False
-    return keep
+        if p >= 0 and not out[p]:
+            out[i] = False
+    return torch.tensor(out, dtype=torch.bool)
 
 
 class StageTimer:

@@ -6,14 +6,21 @@ uncertain (keep a few guesses rather than none), higher when they are confident 
 from __future__ import annotations
 
 import math
+import struct
 
 import torch
 
 from mtpflow.errors import ConfigError, check_int, check_range
 from mtpflow.plugins import hookimpl
 from mtpflow.kernels import pfs_prune
+from mtpflow.kernels.dispatch import resolve_impl
+from mtpflow.kernels.pfs import path_products
 from mtpflow.cost_model import CostCurve, check_costs, load_verify_costs
 from mtpflow.types import DecodeState, Draft
+
+
+# drafts of up to this many nodes prune over Python lists on the CPU (``PFSPruner._prune_lists``)
+LIST_NODES = 256
 
 
 def path_scores(draft: Draft) -> torch.Tensor:
@@ -143,6 +150,8 @@ class PFSPruner:
     @hookimpl
     def prune(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         self.last_threshold = self.step_threshold(root_entropy(draft))
+        if resolve_impl(None, draft.tokens.device) == "torch" and draft.num_nodes <= LIST_NODES:
+            return self._prune_lists(draft)
         # threshold + budget in one pass (Triton on CUDA, torch elsewhere); ties broken by node order, so a
         # parent (never less feasible) wins over its children. Path scores the proposer set are used as given.
         if "pfs" in draft.scores or draft.probs is None:
@@ -164,3 +173,52 @@ class PFSPruner:
         if self.curve is not None:
             keep = self.cost_budget(pfs, keep, calibrated)
         return keep
+
+    def _prune_lists(self, draft: Draft) -> torch.Tensor:
+        """``prune``'s rule over Python lists: the same floats (float32 PFS, the threshold rounded to float32, the
+        values and their running sums in double, stable sorts) as the tensor path, whose two dozen small torch ops
+        cost more than the rule itself on a draft of a few dozen nodes."""
+        n = draft.num_nodes
+        if "pfs" in draft.scores or draft.probs is None:
+            pfs = path_scores(draft).tolist()
+        else:
+            pfs = path_products(draft.probs, draft.parents).tolist()
+        threshold = _float32(self.last_threshold)
+        order = sorted(range(n), key=lambda i: -pfs[i])[: self.max_nodes]  # stable: ties to the lower index
+        best = set(order)
+        keep = [pfs[i] >= threshold and i in best for i in range(n)]
+        marks = draft.scores.get("calibrated")
+        calibrated = None if marks is None else [m > 0.5 for m in marks.tolist()]
+        c = self.calibration if self.curve is not None else 1.0
+        value = [p if calibrated is not None and calibrated[i] else p * c for i, p in enumerate(pfs)]
+        if calibrated is not None:
+            keep = [a or b for a, b in zip(keep, calibrated)]
+            if sum(keep) > self.max_nodes:
+                top = set(sorted((i for i in range(n) if keep[i]), key=lambda i: -value[i])[: self.max_nodes])
+                keep = [i in top for i in range(n)]
+        if self.curve is not None:
+            idx = [i for i in range(n) if keep[i]]
+            if not idx:
+                self._last_predicted = 0.0
+            else:
+                ranked = sorted(idx, key=lambda i: -value[i])
+                gains, total = [], 0.0
+                for i in ranked:
+                    total += value[i]
+                    gains.append(total)
+                best_n = max(range(len(gains) + 1),
+                             key=lambda m: ((1.0 + (gains[m - 1] if m else 0.0)) / self.curve(m), -m))
+                chosen = set(ranked[:best_n])
+                keep = [i in chosen for i in range(n)]
+                self.cost_cut_nodes += len(idx) - best_n
+                predicted = 0.0  # what c should correct: the uncalibrated nodes only
+                for i in range(n):
+                    if keep[i] and not (calibrated is not None and calibrated[i]):
+                        predicted += pfs[i]
+                self._last_predicted = predicted
+        return torch.tensor(keep, dtype=torch.bool)
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to float32 (what comparing a float32 tensor with it does)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
