@@ -46,7 +46,8 @@ def test_a_quiet_machine_keeps_every_thread(two_threads):
     first after WINDOW, then one every EXPLORE) goes back to all threads."""
     g = T.ThreadGovernor(enabled=True)
     noise = [1.0, 1.3, 1.1, 1.9, 1.0, 1.2, 5.0, 1.1]
-    counts = [machine(g, QUIET[0] * noise[i % 8], QUIET[1] * noise[i % 8]) for i in range(T.WINDOW + 2 * T.EXPLORE + 3 * T.PROBE)]
+    forwards = T.WINDOW + 2 * T.EXPLORE + 3 * T.PROBE
+    counts = [machine(g, QUIET[0] * noise[i % 8], QUIET[1] * noise[i % 8]) for i in range(forwards)]
     assert g.trials == 3 and counts.count(1) == 3 * T.PROBE
     assert g.switches == 0 and not g.one and torch.get_num_threads() == 2
 
@@ -138,3 +139,28 @@ def test_a_cheaper_kind_of_forward_is_not_the_measure_of_the_models_own(two_thre
         n = g.threads()
         g.observe(MODEL, 1, 0.015 if n == 2 else 0.025, n, kind=False)  # the target's own
     assert g.switches == 0 and not g.one
+
+
+def test_a_trial_sets_torchs_count_only_for_its_forwards(two_threads):
+    """A trial's forward runs its torch parts on the trial's count too (it measures what that count would give);
+    between forwards torch has the count the process decided on, so a request that ends inside a trial leaves the
+    rest of the process (an HF forward, the bench's HF generate) as it was."""
+    g = T.ThreadGovernor(enabled=True)
+    for _ in range(T.WINDOW):
+        machine(g, *QUIET)
+    assert g.trial == T.PROBE and torch.get_num_threads() == 2
+    assert g.threads(forward=False) == 1 and torch.get_num_threads() == 2
+    n = g.threads()
+    assert n == 1 and torch.get_num_threads() == 1
+    g.observe(MODEL, 1, QUIET[1], n)
+    assert torch.get_num_threads() == 2
+    for _ in range(T.PROBE - 1):
+        machine(g, *QUIET)
+    assert g.threads() == 2 and torch.get_num_threads() == 2 and not g.one
+    # a prefill chunk (more rows than a decode forward) inside a trial is not compared and leaves torch's count alone
+    for _ in range(T.EXPLORE):
+        machine(g, *QUIET)
+    assert g.trial == T.PROBE
+    n = g.threads()
+    g.observe(MODEL, T.MAX_ROWS + 1, 0.5, n)
+    assert torch.get_num_threads() == 2 and g.trial == T.PROBE

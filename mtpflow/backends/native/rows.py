@@ -79,7 +79,7 @@ def verify_through(run, targets, roots, drafts, root_positions) -> list[Verifica
     seconds = time.perf_counter() - t0
     # what steps read from the logits (the gate's argmax, the loop's probabilities, and the top ids where a target's
     # stages read them: token recycling), in one pass over all rows
-    stats = kernel.logit_stats(logits, GOVERNOR.threads(), top=max(target.top_ids for target in targets))
+    stats = kernel.logit_stats(logits, GOVERNOR.threads(forward=False), top=max(target.top_ids for target in targets))
     results = []
     for target, n, first in zip(targets, rows.counts, rows.starts):
         target.kv.length += n

@@ -10,11 +10,12 @@ decode and verify forwards (up to ``MAX_ROWS`` rows) and picks the thread count 
   than ``SLOW`` times that, the process goes to one thread (``torch.set_num_threads(1)``: the kernels read the count
   the governor gives them at each call, torch its own);
 - trials: after its first ``WINDOW`` forwards, then every ``EXPLORE`` forwards on all threads (every ``BACKOFF`` on
-  one), the process runs ``PROBE`` forwards on the other count and compares each with the median of the last
-  forwards of the same kind on the count it has; it changes count when the other is faster by ``KEEP``'s margin. A
-  process that starts while a core is already taken learns its fastest under that load, so the quick switch never
-  fires there: the trials find the faster count anyway (before them, such a process kept both threads and ran at
-  half the speed of one). On a quiet machine a trial is ``PROBE`` slower forwards in ``EXPLORE``, about 1%.
+  one), the process runs ``PROBE`` forwards on the other count (torch's count too, during each of them) and
+  compares each with the median of the last forwards of the same kind on the count it has; it changes count when
+  the other is faster by ``KEEP``'s margin. A process that starts while a core is already taken learns its fastest
+  under that load, so the quick switch never fires there: the trials find the faster count anyway (before them,
+  such a process kept both threads and ran at half the speed of one). On a quiet machine a trial is ``PROBE``
+  slower forwards in ``EXPLORE``, about 1%.
 
 ``MTPFLOW_ADAPT_THREADS=0`` turns it off (the thread count is then torch's, always).
 """
@@ -61,23 +62,33 @@ class ThreadGovernor:
     def _on_one(self) -> bool:
         return self.one != (self.trial > 0)  # a trial runs the other count
 
-    def threads(self) -> int:
-        """The threads the next forward runs on (and torch's count now)."""
+    def threads(self, forward: bool = True) -> int:
+        """The threads the next forward runs on. A trial's forward (``forward``: the call before a forward that
+        ``observe`` then reports) also sets torch's count to it, so the forward's torch parts run as they would on
+        that count; ``observe`` sets it back. ``forward=False``: the count only (work outside a timed forward)."""
         if not self.enabled:
             return torch.get_num_threads()
-        if not self._on_one():
+        if not self.one and not self.trial:
             self.full = torch.get_num_threads()
-            return self.full
-        return 1
+        n = 1 if self._on_one() else self.full
+        if forward and self.trial and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+        return n
 
     def _apply(self) -> None:
-        torch.set_num_threads(1 if self._on_one() else self.full)
+        """torch's count back to the count in use, never a trial's between forwards: a request that ends inside a
+        trial leaves torch (the HF backend, the bench's HF ``generate`` in the same process) on the process's count."""
+        torch.set_num_threads(1 if self.one else self.full)
 
     def observe(self, model, rows: int, seconds: float, threads: int, kind=None) -> None:
         """A forward of ``rows`` rows of ``model`` took ``seconds`` on ``threads`` threads. ``model``: an object that
         stands for the weights run; ``kind``: what else sets the forward's cost (a draft through the int8 copy, the
         first N layers only). Each forward is compared with forwards of its own model, kind and rows."""
-        if not self.enabled or rows > MAX_ROWS or self.full <= 1 or threads > 1 and threads != self.full:
+        if not self.enabled:
+            return
+        if rows > MAX_ROWS or self.full <= 1 or threads > 1 and threads != self.full:
+            if self.trial:  # a prefill chunk inside a trial: not compared, torch's count back all the same
+                self._apply()
             return
         key, on_one = (kind, rows), threads == 1
         with self._lock:
@@ -95,7 +106,7 @@ class ThreadGovernor:
                         self.switches += self.one
                     self.count = 0
                     self.ratios.clear()
-                    self._apply()
+                self._apply()
                 return
             mine.append(seconds)
             self.count += 1
@@ -116,7 +127,6 @@ class ThreadGovernor:
                 self.tried = True
                 self.trials += 1
                 self.trial, self.trial_ratios = PROBE, []
-                self._apply()
 
 
 GOVERNOR = ThreadGovernor()
