@@ -19,10 +19,6 @@ from mtpflow.cost_model import CostCurve, check_costs, load_verify_costs
 from mtpflow.types import DecodeState, Draft
 
 
-# drafts of up to this many nodes prune over Python lists on the CPU (``PFSPruner._prune_lists``)
-LIST_NODES = 256
-
-
 def path_scores(draft: Draft) -> torch.Tensor:
     """[num_nodes] PFS of each node: ``draft.scores["pfs"]`` when the proposer set it, else the product of
     ``draft.probs`` along the path (1.0 everywhere for a proposer without probabilities)."""
@@ -100,31 +96,6 @@ class PFSPruner:
             return None
         return {"pfs_calibration": round(self.calibration, 4), "pfs_cost_cut_nodes": self.cost_cut_nodes}
 
-    def values(self, pfs: torch.Tensor, calibrated: torch.Tensor | None) -> torch.Tensor:
-        """Expected accepted tokens per node: c * PFS, or PFS itself for calibrated nodes."""
-        c = self.calibration if self.curve is not None else 1.0
-        scaled = pfs.double() * c
-        return scaled if calibrated is None else torch.where(calibrated, pfs.double(), scaled)
-
-    def cost_budget(self, pfs: torch.Tensor, keep: torch.Tensor, calibrated: torch.Tensor | None = None) -> torch.Tensor:
-        """``keep`` narrowed to the highest-value nodes worth their verify cost (see the class docstring)."""
-        idx = keep.nonzero().flatten()
-        if idx.numel() == 0:
-            self._last_predicted = 0.0
-            return keep
-        value = self.values(pfs, calibrated)
-        # stable sort: ties keep node order, so a parent (PFS >= its children's) comes first
-        order = idx[torch.sort(value[idx], descending=True, stable=True).indices]
-        gains = torch.cumsum(value[order], 0).tolist()
-        best_n = max(range(len(gains) + 1),
-                     key=lambda n: ((1.0 + (gains[n - 1] if n else 0.0)) / self.curve(n), -n))
-        out = torch.zeros_like(keep)
-        out[order[:best_n]] = True
-        self.cost_cut_nodes += int(idx.numel()) - best_n
-        raw = pfs.double() if calibrated is None else torch.where(calibrated, 0.0, pfs.double())
-        self._last_predicted = float(raw[out].sum())  # what c should correct: the uncalibrated nodes only
-        return out
-
     @hookimpl
     def on_step_end(self, record) -> None:
         if self.curve is None or self._last_predicted is None:
@@ -150,73 +121,65 @@ class PFSPruner:
     @hookimpl
     def prune(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         self.last_threshold = self.step_threshold(root_entropy(draft))
-        if resolve_impl(None, draft.tokens.device) == "torch" and draft.num_nodes <= LIST_NODES:
-            return self._prune_lists(draft)
-        # threshold + budget in one pass (Triton on CUDA, torch elsewhere); ties broken by node order, so a
-        # parent (never less feasible) wins over its children. Path scores the proposer set are used as given.
-        if "pfs" in draft.scores or draft.probs is None:
-            pfs, keep = pfs_prune(path_scores(draft), torch.full((draft.num_nodes,), -1), self.last_threshold,
-                                  self.max_nodes)
+        # threshold + budget: ties broken by node order, so a parent (never less feasible) wins over its children;
+        # path scores the proposer set are used as given. On the CPU over Python lists (a draft is a few dozen
+        # nodes: two dozen small torch ops cost more than the rule), else the kernel (Triton on CUDA)
+        if resolve_impl(None, draft.tokens.device) == "torch":
+            pfs = (path_scores(draft) if "pfs" in draft.scores or draft.probs is None
+                   else path_products(draft.probs, draft.parents)).tolist()
+            keep = threshold_and_budget(pfs, self.last_threshold, self.max_nodes)
         else:
-            pfs, keep = pfs_prune(draft.probs, draft.parents, self.last_threshold, self.max_nodes)
-        pfs, keep = pfs.cpu(), keep.cpu()
-        calibrated = draft.scores.get("calibrated")
-        if calibrated is not None:
-            calibrated = calibrated.cpu() > 0.5
-            keep = keep | calibrated  # no threshold for them; the node budget again over the union
-            if int(keep.sum()) > self.max_nodes:
-                idx = keep.nonzero().flatten()
-                value = self.values(pfs, calibrated)
-                top = idx[torch.sort(value[idx], descending=True, stable=True).indices[: self.max_nodes]]
-                keep = torch.zeros_like(keep)
-                keep[top] = True
-        if self.curve is not None:
-            keep = self.cost_budget(pfs, keep, calibrated)
-        return keep
-
-    def _prune_lists(self, draft: Draft) -> torch.Tensor:
-        """``prune``'s rule over Python lists: the same floats (float32 PFS, the threshold rounded to float32, the
-        values and their running sums in double, stable sorts) as the tensor path, whose two dozen small torch ops
-        cost more than the rule itself on a draft of a few dozen nodes."""
-        n = draft.num_nodes
-        if "pfs" in draft.scores or draft.probs is None:
-            pfs = path_scores(draft).tolist()
-        else:
-            pfs = path_products(draft.probs, draft.parents).tolist()
-        threshold = _float32(self.last_threshold)
-        order = sorted(range(n), key=lambda i: -pfs[i])[: self.max_nodes]  # stable: ties to the lower index
-        best = set(order)
-        keep = [pfs[i] >= threshold and i in best for i in range(n)]
+            if "pfs" in draft.scores or draft.probs is None:
+                pfs_t, keep_t = pfs_prune(path_scores(draft), torch.full((draft.num_nodes,), -1), self.last_threshold,
+                                          self.max_nodes)
+            else:
+                pfs_t, keep_t = pfs_prune(draft.probs, draft.parents, self.last_threshold, self.max_nodes)
+            pfs, keep = pfs_t.cpu().tolist(), keep_t.cpu().tolist()
+        n = len(pfs)
         marks = draft.scores.get("calibrated")
-        calibrated = None if marks is None else [m > 0.5 for m in marks.tolist()]
+        calibrated = [False] * n if marks is None else [m > 0.5 for m in marks.cpu().tolist()]
+        # expected accepted tokens per node: c * PFS, or PFS itself for calibrated nodes (in double)
         c = self.calibration if self.curve is not None else 1.0
-        value = [p if calibrated is not None and calibrated[i] else p * c for i, p in enumerate(pfs)]
-        if calibrated is not None:
-            keep = [a or b for a, b in zip(keep, calibrated)]
+        value = [p if calibrated[i] else p * c for i, p in enumerate(pfs)]
+        if marks is not None:
+            keep = [a or b for a, b in zip(keep, calibrated)]  # no threshold for them; the node budget again
             if sum(keep) > self.max_nodes:
-                top = set(sorted((i for i in range(n) if keep[i]), key=lambda i: -value[i])[: self.max_nodes])
+                top = set(best_first((i for i in range(n) if keep[i]), value)[: self.max_nodes])
                 keep = [i in top for i in range(n)]
         if self.curve is not None:
-            idx = [i for i in range(n) if keep[i]]
-            if not idx:
-                self._last_predicted = 0.0
-            else:
-                ranked = sorted(idx, key=lambda i: -value[i])
-                gains, total = [], 0.0
-                for i in ranked:
-                    total += value[i]
-                    gains.append(total)
-                best_n = max(range(len(gains) + 1),
-                             key=lambda m: ((1.0 + (gains[m - 1] if m else 0.0)) / self.curve(m), -m))
-                chosen = set(ranked[:best_n])
-                keep = [i in chosen for i in range(n)]
-                self.cost_cut_nodes += len(idx) - best_n
-                predicted = 0.0  # what c should correct: the uncalibrated nodes only
-                for i in range(n):
-                    if keep[i] and not (calibrated is not None and calibrated[i]):
-                        predicted += pfs[i]
-                self._last_predicted = predicted
+            keep = self._cost_budget(keep, pfs, value, calibrated)
         return torch.tensor(keep, dtype=torch.bool)
+
+    def _cost_budget(self, keep: list[bool], pfs: list[float], value: list[float],
+                     calibrated: list[bool]) -> list[bool]:
+        """``keep`` narrowed to the highest-value nodes worth their verify cost (see the class docstring)."""
+        ranked = best_first((i for i, k in enumerate(keep) if k), value)
+        if not ranked:
+            self._last_predicted = 0.0
+            return keep
+        gains, total = [], 0.0
+        for i in ranked:
+            total += value[i]
+            gains.append(total)
+        best_n = max(range(len(gains) + 1), key=lambda m: ((1.0 + (gains[m - 1] if m else 0.0)) / self.curve(m), -m))
+        chosen = set(ranked[:best_n])
+        self.cost_cut_nodes += len(ranked) - best_n
+        # what c should correct: the uncalibrated nodes only
+        self._last_predicted = sum(pfs[i] for i in sorted(chosen) if not calibrated[i])
+        return [i in chosen for i in range(len(keep))]
+
+
+def best_first(nodes, value: list[float]) -> list[int]:
+    """``nodes`` by decreasing value, ties in node order (a stable sort: a parent, never worth less, comes first)."""
+    return sorted(nodes, key=lambda i: -value[i])
+
+
+def threshold_and_budget(pfs: list[float], threshold: float, budget: int) -> list[bool]:
+    """``kernels.pfs.keep_by_threshold_and_budget`` over a list: PFS >= the threshold (rounded to float32, as the
+    comparison with a float32 tensor does) and among the ``budget`` best (PFS descending, index ascending)."""
+    best = set(best_first(range(len(pfs)), pfs)[:budget])
+    threshold = _float32(threshold)
+    return [p >= threshold and i in best for i, p in enumerate(pfs)]
 
 
 def _float32(x: float) -> float:

@@ -57,37 +57,18 @@ def test_pfs_pruner_keeps_what_its_threshold_and_budget_rule_keeps():
                 assert pruner.prune(None, draft).tolist() == expected, (case, impl)
 
 
-def test_the_pruners_list_path_keeps_what_its_tensor_path_keeps(monkeypatch):
-    """A small CPU draft prunes over Python lists (PFSPruner._prune_lists); drafts past LIST_NODES (and other devices)
-    take the tensor path. Both keep the same nodes and feed the calibration the same prediction: thresholds, budgets,
-    calibrated nodes, cost curves and tied scores alike."""
-    from mtpflow.strategies import pfs as P
-    from mtpflow.types import Draft
+def test_the_pruners_list_rule_keeps_what_the_reference_keeps():
+    """On the CPU PFSPruner applies the threshold and budget over Python lists (pfs.threshold_and_budget): the same
+    nodes as the torch reference keeps, float32 scores and tied ones included."""
+    from mtpflow.kernels.pfs import keep_by_threshold_and_budget
+    from mtpflow.strategies.pfs import threshold_and_budget
 
     rng, g = random.Random(7), torch.Generator().manual_seed(7)
-    curve = {0: 1.0, 1: 1.1, 4: 1.4, 8: 2.0, 16: 3.5}
     for case in range(400):
         n = rng.randint(1, 40)
-        parents = torch.tensor(random_parents(rng, n), dtype=torch.long)
-        probs = torch.rand(n, generator=g)
-        scores = {}
-        if rng.random() < 0.7:  # the proposer's own path scores, some of them tied
-            pfs = P.path_products(probs, parents)
-            scores["pfs"] = torch.round(pfs * 4) / 4 if rng.random() < 0.3 else pfs
-            scores["entropy"] = torch.full((n,), rng.random())
-        if rng.random() < 0.6:
-            scores["calibrated"] = (torch.rand(n, generator=g) < 0.3).float()
-        draft = Draft(torch.arange(n), parents, probs=probs, scores=scores)
-        options = dict(threshold=rng.choice([0.0, 0.05, 0.35, 0.9]), max_nodes=rng.choice([0, 1, 4, 12, 64]),
-                       adapt=rng.choice([0.0, 2.0]), costs=rng.choice([None, curve]))
-        accepted = rng.choice([0.5, 1.0, 1.7])
-        kept = []
-        for limit in (P.LIST_NODES, -1):  # the list path, then the tensor path
-            monkeypatch.setattr(P, "LIST_NODES", limit)
-            pruner = P.PFSPruner(**options)
-            pruner._accepted = accepted
-            kept.append((pruner.prune(None, draft).tolist(), pruner.cost_cut_nodes, pruner._last_predicted))
-        (lists, cut, predicted), (tensors, cut_t, predicted_t) = kept
-        assert lists == tensors and cut == cut_t, (case, options)
-        assert (predicted is None) == (predicted_t is None)
-        assert predicted is None or predicted == pytest.approx(predicted_t, rel=1e-12, abs=1e-15)
+        pfs = torch.rand(n, generator=g)
+        if rng.random() < 0.4:
+            pfs = torch.round(pfs * 4) / 4  # ties, and scores on the threshold itself
+        threshold, budget = rng.choice([0.0, 0.05, 0.25, 0.35, 0.5, 0.9]), rng.choice([0, 1, 4, 12, 64])
+        expected = keep_by_threshold_and_budget(pfs, threshold, budget).tolist()
+        assert threshold_and_budget(pfs.tolist(), threshold, budget) == expected, (case, threshold, budget)
