@@ -49,14 +49,13 @@ class ThreadGovernor:
         self.trial = 0  # forwards still to run on the other count
         self.trial_ratios: list[float] = []
         self.count = 0  # forwards on the count in use since the last trial or switch
-        self.tried = False  # a trial has run (the first comes after WINDOW forwards)
         # model -> {(kind, rows): the fastest forward seen on all threads} (weakly: a model gone takes its figures)
         self.fastest: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         # model -> {(kind, rows, on one thread): the last forwards' seconds}
         self.recent: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.ratios: deque[float] = deque(maxlen=WINDOW)
         self.switches = 0  # times it went to one thread (for the tests and the docs' runs)
-        self.trials = 0  # trials run (for the tests and the docs' runs)
+        self.trials = 0  # trials run (the first comes after WINDOW forwards)
         self._lock = threading.Lock()
 
     def _on_one(self) -> bool:
@@ -122,9 +121,8 @@ class ThreadGovernor:
                     self.ratios.clear()
                     self._apply()
                     return
-            due = WINDOW if not self.tried else (BACKOFF if self.one else EXPLORE)
+            due = WINDOW if not self.trials else (BACKOFF if self.one else EXPLORE)  # the first after WINDOW
             if self.count >= due:
-                self.tried = True
                 self.trials += 1
                 self.trial, self.trial_ratios = PROBE, []
 
