@@ -52,12 +52,9 @@ class DraftVocabulary:
         embeddings of ``draft_ids`` [draft_vocab, hidden] (a tree node's token is always a draft token: looked up
         here rather than through the model's embedding, which the int8 model dequantizes on each lookup)."""
         self.draft_ids = draft_ids.long().cpu()  # [draft_vocab] target token id of each draft token
+        self.id_list = self.draft_ids.tolist()  # the same as Python ints: a tree's tokens are mapped as lists
         self.logits = product(rows)
         self.embeddings = embeddings.detach().float()
-
-    def target_ids(self, indices: list[int]) -> torch.Tensor:
-        """Draft-vocabulary indices -> the target's token ids."""
-        return self.draft_ids[torch.tensor(indices, dtype=torch.long)]
 
 
 class MedusaDraft:

@@ -14,7 +14,7 @@ import torch
 from mtpflow.backends.base import Backend
 from mtpflow.errors import ConfigError, UserError, check_int, check_k
 from mtpflow.plugins import hookimpl
-from mtpflow.strategies.graft import graft_tree
+from mtpflow.strategies.graft import GraftedTree
 from mtpflow.strategies.head_drafting import DraftVocabulary, EagleDraft, MedusaDraft, draft_runner
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, KINDS, check_matches, head_rows, load_heads, normalized_entropy,
@@ -102,47 +102,6 @@ def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_node
         if d + 1 < len(probs):  # the first child
             heapq.heappush(heap, (neg * float(probs[d + 1][0]), d + 1, node, 0))
     return tokens, parents, node_p, path_p, depths
-
-
-def graft_chain(draft: Draft, chain: list[int], acceptance: float) -> Draft:
-    """``draft`` with a deterministic chain (e.g. a prompt-lookup match) merged in from the root: chain tokens
-    the tree already has are shared, the rest become new nodes. A chain node at depth d scores
-    ``acceptance ** d`` as its path feasibility (a shared node keeps the larger of its two scores, so a
-    parent never scores below its children); ``scores["lookup"]`` marks the chain's nodes and
-    ``scores["grafted"]`` the ones the chain added; both chain marks also go to ``scores["calibrated"]``
-    (``acceptance`` is learned from the run, so the PFS pruner takes these scores as they are)."""
-    tokens, parents = draft.tokens.tolist(), draft.parents.tolist()
-    n = len(tokens)
-    probs = draft.probs.tolist() if draft.probs is not None else [1.0] * n
-    pfs = draft.scores["pfs"].tolist() if "pfs" in draft.scores else [1.0] * n
-    entropy = draft.scores["entropy"].tolist() if "entropy" in draft.scores else [0.0] * n
-    lookup, grafted = [0.0] * n, [0.0] * n
-    child = {(p, t): i for i, (p, t) in enumerate(zip(parents, tokens))}
-    parent, score = -1, 1.0
-    for token in chain:
-        score *= acceptance
-        node = child.get((parent, token))
-        if node is None:
-            sibling = next((i for (p, _), i in child.items() if p == parent), None)
-            node = len(tokens)
-            tokens.append(int(token))
-            parents.append(parent)
-            probs.append(acceptance)
-            pfs.append(score)
-            entropy.append(entropy[sibling] if sibling is not None else (entropy[parent] if parent >= 0 else 0.0))
-            lookup.append(0.0)
-            grafted.append(1.0)
-            child[(parent, int(token))] = node
-        pfs[node] = max(pfs[node], score)
-        lookup[node] = 1.0
-        parent = node
-    return Draft(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                 probs=torch.tensor(probs, dtype=torch.float32), source=draft.source,
-                 scores={**draft.scores, "pfs": torch.tensor(pfs, dtype=torch.float32),
-                         "entropy": torch.tensor(entropy, dtype=torch.float32),
-                         "lookup": torch.tensor(lookup, dtype=torch.float32),
-                         "grafted": torch.tensor(grafted, dtype=torch.float32),
-                         "calibrated": torch.tensor(lookup, dtype=torch.float32)})
 
 
 def _graft_options(name: str, options) -> dict:
@@ -285,26 +244,27 @@ class MTPHeadsProposer:
                             f"{state.hidden.shape[-1]}: set the strategy's needs_hidden_states to "
                             f"{'eagle3' if self.kind == 'eagle3' else 'true'}")
         depth = k if self.depth_limit is None else min(k, max(1, self.depth_limit))
-        draft = (self._propose_medusa(state, depth) if isinstance(self.drafter, MedusaDraft)
-                 else self._propose_eagle(state, depth))
+        # the heads' tree, then the other drafters' trees grafted into it, over lists: one Draft at the end
+        merged = (self._propose_medusa(state, depth) if isinstance(self.drafter, MedusaDraft)
+                  else self._propose_eagle(state, depth))
         self._lookup_n = None
         if self.lookup is not None:
             lo, hi, longest = self.lookup
             n, follow = longest_ngram_match(state.proposer_context(), lo, hi, min(longest, k))
             if n is not None:
                 self._lookup_n = n
-                draft = graft_chain(draft, follow.tolist(), min(self.lookup_acceptance[n].value, 0.99))
+                merged.add_chain(follow.tolist(), min(self.lookup_acceptance[n].value, 0.99), "lookup")
         if self.recycling is not None:
             from mtpflow.strategies.token_recycling import MARK as RECYCLED
 
             tokens, parents, _, pfs, nodes = self.recycling.tree(state, k)
-            draft = graft_tree(draft, tokens, parents, pfs, "recycled", extra={RECYCLED: [j + 1.0 for j in nodes]})
+            merged.add(tokens, parents, pfs, "recycled", extra={RECYCLED: [j + 1.0 for j in nodes]})
         if self.suffix is not None:
             from mtpflow.strategies.suffix import MARK as SUFFIX
 
             tokens, parents, _, pfs, _ = self.suffix.tree(state, k)
-            draft = graft_tree(draft, tokens, parents, pfs, SUFFIX)
-        return draft
+            merged.add(tokens, parents, pfs, SUFFIX)
+        return merged.draft()
 
     @hookimpl
     def on_step_end(self, record: StepRecord) -> None:
@@ -354,17 +314,12 @@ class MTPHeadsProposer:
         if self.suffix is not None:
             self.suffix.finish(result, status)
 
-    def _draft(self, tokens, parents, node_p, path_p, entropy) -> Draft:
-        return Draft(
-            tokens=self.vocab.target_ids(tokens),
-            parents=torch.tensor(parents, dtype=torch.long),
-            probs=torch.tensor(node_p, dtype=torch.float32),
-            source=f"mtp_heads:{self.kind}",
-            scores={"pfs": torch.tensor(path_p, dtype=torch.float32),
-                    "entropy": torch.tensor(entropy, dtype=torch.float32)},
-        )
+    def _draft(self, tokens, parents, node_p, path_p, entropy) -> GraftedTree:
+        ids = self.vocab.id_list
+        return GraftedTree.of_lists([ids[t] for t in tokens], parents, node_p, {"pfs": path_p, "entropy": entropy},
+                                    f"mtp_heads:{self.kind}")
 
-    def _propose_medusa(self, state: DecodeState, k: int) -> Draft:
+    def _propose_medusa(self, state: DecodeState, k: int) -> GraftedTree:
         drafter: MedusaDraft = self.drafter
         depth = min(k, drafter.num_heads)
         # the hidden state that produced the root token; head i drafts token root + 1 + i
@@ -377,7 +332,7 @@ class MTPHeadsProposer:
 
     # --- EAGLE -------------------------------------------------------------------------------------------
 
-    def _propose_eagle(self, state: DecodeState, k: int) -> Draft:
+    def _propose_eagle(self, state: DecodeState, k: int) -> GraftedTree:
         """A tree level by level: each level expands the ``branch`` most probable nodes of the last one in ONE pass
         of the drafter (``EagleDraft.level``), and adds each one's ``top_k`` children."""
         drafter: EagleDraft = self.drafter

@@ -151,11 +151,13 @@ def test_node_origin_tells_heads_from_lookup():
     import torch
 
     from mtpflow.playground.views import node_origin
-    from mtpflow.strategies.mtp_heads import graft_chain
+    from mtpflow.strategies.graft import GraftedTree
     from mtpflow.types import Draft
 
     tree = Draft(torch.tensor([10, 20]), torch.tensor([-1, 0]), probs=torch.tensor([0.5, 0.5]),
                  source="mtp_heads:medusa", scores={"pfs": torch.tensor([0.5, 0.25])})
-    merged = graft_chain(tree, [10, 30], acceptance=0.8)  # shares 10, adds 30
+    grafted = GraftedTree(tree)
+    grafted.add_chain([10, 30], 0.8, "lookup")  # shares 10, adds 30
+    merged = grafted.draft()
     assert [node_origin(merged, i) for i in range(3)] == ["heads + lookup", "heads", "prompt lookup"]
     assert node_origin(tree, 0) == "mtp_heads:medusa"

@@ -143,8 +143,15 @@ def test_shipped_heads_match_hf_greedy(default_loaded, kind):
     assert max(mal) > 1.1  # trained heads really are accepted (untrained ones stay near 1.0)
 
 
-def test_graft_chain_shares_prefixes_and_keeps_parents_first():
-    from mtpflow.strategies.mtp_heads import graft_chain
+def graft_chain(tree, chain, acceptance):
+    from mtpflow.strategies.graft import GraftedTree
+
+    merged = GraftedTree(tree)
+    merged.add_chain(chain, acceptance, "lookup")
+    return merged.draft()
+
+
+def test_a_lookup_chain_shares_prefixes_and_keeps_parents_first():
     from mtpflow.types import Draft
 
     # tree: 10 -> (20, 21), 20 -> 30; pfs 0.5, 0.2, 0.1, 0.25
