@@ -117,12 +117,10 @@ class Backend:
 def tree_allowed(parents: torch.Tensor) -> torch.Tensor:
     """[1 + num_nodes, 1 + num_nodes] bool: row i may attend to column j (the root, itself, its ancestors)."""
     n = int(parents.numel())
-    allowed = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    allowed[:, 0] = True  # every node sees the root
+    rows = [[True] + [False] * n]  # every node sees the root; over lists, one tensor at the end (once a step)
     for i, p in enumerate(parents.tolist()):
-        row = i + 1
-        allowed[row, row] = True
-        if p >= 0:
-            allowed[row] |= allowed[p + 1]
-    return allowed
+        row = list(rows[p + 1]) if p >= 0 else [True] + [False] * n
+        row[i + 1] = True
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.bool)
 

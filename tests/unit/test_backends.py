@@ -144,3 +144,21 @@ def test_native_cpu_on_another_device_is_one_line():
                                         "model is on meta"):
         backends.create(model, "native_cpu")
     assert backends.create(model, "auto").name == "hf"
+
+
+def test_tree_allowed_is_the_root_the_node_and_its_ancestors():
+    import random
+
+    from mtpflow.backends.base import tree_allowed
+
+    rng = random.Random(0)
+    for n in [0, 1, 2, 5, 12, 33] * 20:
+        parents = [rng.randrange(-1, i) if i else -1 for i in range(n)]
+        allowed = tree_allowed(torch.tensor(parents, dtype=torch.long))
+        assert allowed.dtype == torch.bool and allowed.shape == (n + 1, n + 1)
+        for row in range(n + 1):
+            seen, node = {0, row}, row - 1
+            while node >= 0:  # the node's ancestors, by their rows
+                seen.add(node + 1)
+                node = parents[node]
+            assert allowed[row].tolist() == [col in seen for col in range(n + 1)]

@@ -39,24 +39,36 @@ class VerifyRows:
 
 def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
     """The rows of ONE verify forward over every target's root and chain or tree (``Backend.verify``'s arguments),
-    each written after the target's committed entries."""
-    ids, positions, masks = [], [], []
+    each written after the target's committed entries. Built over Python lists, each tensor made once: this runs
+    once per step, and a step of the default model is a few milliseconds."""
+    ids, positions, masks, counts = [], [], [], []
     for target, root, draft, root_position in zip(targets, roots, drafts, root_positions):
-        ids.append(torch.cat([torch.tensor([root], dtype=torch.long), draft.tokens]))
         base = root_position - target.position_shift
+        ids.append(int(root))
+        positions.append(base)
         if draft.num_nodes:
-            positions.append(base + torch.cat([torch.zeros(1, dtype=torch.long), draft.depths()]))
+            parents = draft.parents.tolist()
+            ids += draft.tokens.tolist()
+            depth = [0] * len(parents)
+            for i, p in enumerate(parents):
+                depth[i] = 1 if p < 0 else depth[p] + 1
+            positions += [base + d for d in depth]
             masks.append(tree_allowed(draft.parents))
         else:
-            positions.append(torch.tensor([base], dtype=torch.long))
-            masks.append(torch.ones(1, 1, dtype=torch.bool))
-    counts = [int(t.numel()) for t in ids]
-    allowed = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
-    rows = VerifyRows(torch.cat(ids), torch.cat(positions), allowed, [], [], [], [], [], [], counts)
+            masks.append(None)
+        counts.append(1 + draft.num_nodes)
+    widest = max(counts)
+    allowed = (torch.ones(1, 1, dtype=torch.uint8) if widest == 1 and len(counts) == 1
+               else torch.zeros(sum(counts), widest, dtype=torch.uint8))
+    rows = VerifyRows(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), allowed,
+                      [], [], [], [], [], [], counts)
     start = 0
     for target, n, mask in zip(targets, counts, masks):
         length = target.kv.length
-        allowed[start:start + n, :n] = mask
+        if mask is not None:
+            allowed[start:start + n, :n] = mask
+        elif widest > 1 or len(counts) > 1:
+            allowed[start, 0] = 1
         rows.slots += [target.kv.slot] * n
         rows.wpos += range(length, length + n)
         rows.prefix += [length] * n
@@ -142,9 +154,11 @@ def call_members(rows: VerifyRows, rope: dict, rope_keys: list, taps: tuple[int,
     rotary table at the rows' positions (``rope``: {key: ``description.RopeTable``}, ``rope_keys``: each layer's
     key or None) and the outputs of the layers ``taps`` names (shaped as ``h`` [rows, H]). Returns (members,
     {layer: its output tensor}, what the pointers point into: keep it alive until the call returns)."""
-    ints = [torch.tensor(v, dtype=torch.int32) for v in (rows.slots, rows.wpos, rows.prefix, rows.first, rows.count)]
-    ints.append(rows.positions.to(torch.int32))
-    members = {name: t.data_ptr() for name, t in zip(("slot", "wpos", "prefix", "first", "count", "pos"), ints)}
+    m = len(rows.slots)
+    ints = torch.tensor([rows.slots, rows.wpos, rows.prefix, rows.first, rows.count, rows.positions.tolist()],
+                        dtype=torch.int32)  # one tensor, a row per member: one allocation a call
+    base = ints.data_ptr()
+    members = {name: base + 4 * m * i for i, name in enumerate(("slot", "wpos", "prefix", "first", "count", "pos"))}
     members.update(allowed=rows.allowed.data_ptr(), qmax=rows.allowed.shape[1], M=len(rows.slots))
     tables = {key: table.rows(rows.positions) for key, table in rope.items()}
     for index, name in enumerate(("cos", "sin")):
