@@ -36,17 +36,19 @@ def build(folder: Path, name: str, source: str):
     return kernel.load(out)
 
 
-def compare(sources: dict[str, str], context: int, ks: list[int], rounds: int, pools=None) -> dict:
+def compare(sources: dict[str, str], context: int, ks: list[int], rounds: int, pools=None, backend=None,
+            timed: int = 20) -> dict:
     """Builds of rows_int8.c from ``sources`` (name -> text) timed against each other in this process: the int8
-    model's cache prefilled with ``context`` random tokens in each build's pool (``pools[name]``, default the
-    backend's own), then ``rounds`` rounds alternating the builds (the order reversed every other round), 20 timed
-    verify forwards (after 3 untimed) per draft length. Prints each build's fastest and median ms and each K's ratio
-    to the first K; returns the times {(name, k): [ms per round]}."""
+    model's cache (``backend``'s model, default the default model) prefilled with ``context`` random tokens in each
+    build's pool (``pools[name]``, default the backend's own), then ``rounds`` rounds alternating the builds (the
+    order reversed every other round), ``timed`` verify forwards (after 3 untimed) per draft length. Prints each
+    build's fastest and median ms and each K's ratio to the first K; returns the times {(name, k): [ms per round]}."""
     torch.set_num_threads(2)
     with tempfile.TemporaryDirectory() as tmp:
         libs = {name: build(Path(tmp), name, text) for name, text in sources.items()}
-        loaded = load_model(quantize="int8", dtype="float32")
-        backend = backends.create(loaded.model, "native_cpu", int8=loaded.int8)
+        if backend is None:
+            loaded = load_model(quantize="int8", dtype="float32")
+            backend = backends.create(loaded.model, "native_cpu", int8=loaded.int8)
         g = torch.Generator().manual_seed(0)
         prompt = torch.randint(0, backend.w.head.n, (context,), generator=g)
         targets = {}
@@ -63,12 +65,12 @@ def compare(sources: dict[str, str], context: int, ks: list[int], rounds: int, p
             for name in (list(libs) if rnd % 2 == 0 else list(libs)[::-1]):
                 backend.lib, target = libs[name], targets[name]
                 for k, draft in drafts.items():
-                    for i in range(23):
+                    for i in range(3 + timed):
                         if i == 3:
                             t0 = time.perf_counter()
                         target.cache_len = start
                         target.verify(1, draft, root_position=start)
-                    times.setdefault((name, k), []).append(1000 * (time.perf_counter() - t0) / 20)
+                    times.setdefault((name, k), []).append(1000 * (time.perf_counter() - t0) / timed)
     print(f"context {context}, {rounds} rounds; ms fastest / median")
     for name in libs:
         k0 = times[(name, ks[0])]

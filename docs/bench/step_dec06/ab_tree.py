@@ -33,7 +33,9 @@ def source_tree(rev: str, into: Path) -> Path:
     return into / "mtpflow" / "backends" / "native"
 
 
-def main(rounds: int, context: int, ks: list[int], specs: dict[str, str]) -> None:
+def main(rounds: int, context: int, ks: list[int], specs: dict[str, str], backend=None, timed: int = 20) -> None:
+    """``specs`` (name -> REV) timed against each other by ab_kv.compare over ``backend``'s int8 model (default: the
+    default model), ``timed`` verify forwards per draft length and round; prints each K's median ratio to the first."""
     root = Path(tempfile.mkdtemp())
     folders = {name: source_tree(rev, root / name) for name, rev in specs.items()}
 
@@ -44,7 +46,7 @@ def main(rounds: int, context: int, ks: list[int], specs: dict[str, str]) -> Non
         return kernel.load(out)
 
     ab_kv.build = build  # compare() builds each name through it
-    times = ab_kv.compare({name: "" for name in specs}, context, ks, rounds)
+    times = ab_kv.compare({name: "" for name in specs}, context, ks, rounds, backend=backend, timed=timed)
     first = next(iter(specs))
     for k in ks:
         print(f"K={k}: " + ", ".join(
