@@ -25,6 +25,29 @@ def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngra
     return context.new_zeros(0)
 
 
+def longest_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
+    """(n, continuation) as ``ngram_continuation_reference`` finds it, with the n of the match (None and empty when
+    nothing matches), for a CPU ``context``: each n-gram is searched as a substring of the tokens' bytes, from the
+    end (``bytes.rfind``, C speed; a hit that does not start on a token's first byte is skipped). The loop per n
+    over a few hundred tokens cost several torch operations each; this is one copy of the tokens a call."""
+    length = int(context.numel())
+    width = context.element_size()
+    data = context.contiguous().numpy().tobytes()
+    limit = (length - 1) * width  # a match ends before the last token (the suffix itself is no match)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        pattern = data[(length - n) * width:]
+        end = limit
+        while (start := data.rfind(pattern, 0, end)) >= 0:
+            if start % width == 0:  # the latest match of these n tokens
+                first = start // width + n
+                follow = context[first:first + k]
+                if follow.numel():
+                    return n, follow
+                break  # k <= 0: no continuation at any match of this n
+            end = start + len(pattern) - 1  # a hit across token boundaries: look further left
+    return None, context.new_zeros(0)
+
+
 def _follow(context: torch.Tensor, key: int, min_ngram: int, k: int) -> torch.Tensor:
     """The continuation after the match the kernel's key names (length * len(context) + end; -1: none)."""
     length = int(context.numel())
@@ -38,6 +61,8 @@ def ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: int, k:
                        impl: str | None = None) -> torch.Tensor:
     """Dispatcher: same result as ``ngram_continuation_reference``."""
     if resolve_impl(impl, context.device) == "torch":
+        if context.device.type == "cpu":
+            return longest_match(context, min_ngram, max_ngram, k)[1]
         return ngram_continuation_reference(context, min_ngram, max_ngram, k)
     from mtpflow.kernels.ngram_triton import best_match_key_triton
 
