@@ -8,7 +8,8 @@ printed), and whether both give the same result:
 - ``tree_allowed`` of the 12-node tree;
 - ``AdjacencyTable.expand`` of the default 24-node depth-5 template over a random [49152, 8] table;
 - ``graft_tree`` twice (a recycling tree and a suffix tree into a 24-node heads tree), before, against one
-  ``GraftedTree`` with both trees after.
+  ``GraftedTree`` with both trees after;
+- ``pld.longest_ngram_match`` for n = 4..2 over a 400-token history of random tokens (no match: every n searched).
 
     python docs/bench/step_dec06b/parts_timeit.py BEFORE_TREE
 """
@@ -60,6 +61,7 @@ def same(a, b) -> bool:
 def main(before: str) -> None:
     old_rows, old_base = old(before, "mtpflow.backends.native.rows"), old(before, "mtpflow.backends.base")
     old_recycling, old_graft = old(before, "mtpflow.strategies.token_recycling"), old(before, "mtpflow.strategies.graft")
+    old_ngram = old(before, "mtpflow.kernels.ngram")
     target = SimpleNamespace(position_shift=0, kv=SimpleNamespace(length=300, slot=0))
     tree = Draft(torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]),
                  torch.tensor([-1, 0, 0, 1, 1, 2, 3, 4, -1, 8, 9, 5]))
@@ -109,6 +111,20 @@ def main(before: str) -> None:
           f"{all(tables[0].expand(r, 5) == tables[1].expand(r, 5) for r in range(0, 49152, 97))}")
     print(f"{'graft: recycling + suffix trees into a 24-node heads tree':58s} {fastest(graft_before):10.1f} "
           f"{fastest(graft_after):10.1f}  {same(graft_before(), graft_after())}")
+    history = torch.tensor([rng.randrange(5000) for _ in range(400)], dtype=torch.long)
+
+    def lookup_before():  # pld.longest_ngram_match as it was: the torch loop per n
+        for n in range(4, 1, -1):
+            follow = old_ngram.ngram_continuation_reference(history, n, n, 10)
+            if follow.numel():
+                return n, follow
+        return None, history.new_zeros(0)
+
+    from mtpflow.strategies.pld import longest_ngram_match
+    after = longest_ngram_match(history, 2, 4, 10)
+    print(f"{'pld.longest_ngram_match, n = 4..2, 400 tokens, no match':58s} {fastest(lookup_before):10.1f} "
+          f"{fastest(lambda: longest_ngram_match(history, 2, 4, 10)):10.1f}  "
+          f"{lookup_before()[0] == after[0] and torch.equal(lookup_before()[1], after[1])}")
 
 
 if __name__ == "__main__":
