@@ -108,11 +108,15 @@ class Draft:
 
     def depths(self) -> torch.Tensor:
         """[num_nodes] depth of each node, 1 for children of the root."""
+        return torch.tensor(self.depth_list(), dtype=torch.long)
+
+    def depth_list(self) -> list[int]:
+        """``depths`` as Python ints (for callers that build their own lists)."""
         parents = self.parents.tolist()
         depth = [0] * len(parents)
         for i, p in enumerate(parents):
             depth[i] = 1 if p < 0 else depth[p] + 1
-        return torch.tensor(depth, dtype=torch.long)
+        return depth
 
     def subset(self, keep: torch.Tensor) -> Draft:
         """The draft restricted to ``keep`` ([num_nodes] bool, closed under ancestors), parents reindexed."""

@@ -1,8 +1,8 @@
 """N-gram match over the token history for prompt lookup: the tokens that followed the latest earlier
-occurrence of the longest matching suffix n-gram. The torch reference is PLD's original loop over n (fastest
-on a CPU for histories of a few hundred tokens); the Triton kernel scores every end position at once (how
-many tokens before it equal the context's suffix, capped at ``max_ngram``; the longest match wins, then the
-latest) and is tested equal to the loop."""
+occurrence of the longest matching suffix n-gram, and that n. The torch reference is PLD's original loop over n;
+on a CPU the match runs as a byte search from the end (``ngram_match_bytes``); the Triton kernel scores every end
+position at once (how many tokens before it equal the context's suffix, capped at ``max_ngram``; the longest match
+wins, then the latest). Both are tested equal to the loop."""
 from __future__ import annotations
 
 import torch
@@ -10,9 +10,10 @@ import torch
 from mtpflow.kernels.dispatch import resolve_impl
 
 
-def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
-    """[<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram
-    (n from max_ngram down to min_ngram); empty when nothing matches."""
+def ngram_match_reference(context: torch.Tensor, min_ngram: int, max_ngram: int,
+                          k: int) -> tuple[int | None, torch.Tensor]:
+    """(n, [<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram), n from
+    max_ngram down to min_ngram; (None, empty) when nothing matches."""
     length = int(context.numel())
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         pattern = context[-n:]
@@ -21,13 +22,19 @@ def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngra
         for start in reversed(hits.tolist()):  # most recent first
             follow = context[start + n : start + n + k]
             if follow.numel():
-                return follow
-    return context.new_zeros(0)
+                return n, follow
+    return None, context.new_zeros(0)
 
 
-def longest_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
-    """(n, continuation) as ``ngram_continuation_reference`` finds it, with the n of the match (None and empty when
-    nothing matches), for a CPU ``context``: each n-gram is searched as a substring of the tokens' bytes, from the
+def ngram_continuation_reference(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> torch.Tensor:
+    """[<= k] tokens that followed the latest earlier match of the longest matching suffix n-gram
+    (n from max_ngram down to min_ngram); empty when nothing matches."""
+    return ngram_match_reference(context, min_ngram, max_ngram, k)[1]
+
+
+def ngram_match_bytes(context: torch.Tensor, min_ngram: int, max_ngram: int,
+                      k: int) -> tuple[int | None, torch.Tensor]:
+    """``ngram_match_reference``'s result for a CPU ``context``: each n-gram is searched as a substring of the tokens' bytes, from the
     end (``bytes.rfind``, C speed; a hit that does not start on a token's first byte is skipped). The loop per n
     over a few hundred tokens cost several torch operations each; this is one copy of the tokens a call."""
     length = int(context.numel())
@@ -48,22 +55,29 @@ def longest_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int)
     return None, context.new_zeros(0)
 
 
-def _follow(context: torch.Tensor, key: int, min_ngram: int, k: int) -> torch.Tensor:
-    """The continuation after the match the kernel's key names (length * len(context) + end; -1: none)."""
+def _follow(context: torch.Tensor, key: int, min_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
+    """(n, the continuation) after the match the kernel's key names (length * len(context) + end; -1: none)."""
     length = int(context.numel())
     if key < 0 or key // length < min_ngram or k <= 0:
-        return context.new_zeros(0)
+        return None, context.new_zeros(0)
     end = key % length
-    return context[end + 1 : end + 1 + k]
+    return key // length, context[end + 1 : end + 1 + k]
+
+
+def ngram_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int,
+                impl: str | None = None) -> tuple[int | None, torch.Tensor]:
+    """Dispatcher: ``ngram_match_reference``'s (n, continuation): the Triton kernel, or on the CPU the byte search
+    (``ngram_match_bytes``), else the reference."""
+    if resolve_impl(impl, context.device) == "torch":
+        if context.device.type == "cpu":
+            return ngram_match_bytes(context, min_ngram, max_ngram, k)
+        return ngram_match_reference(context, min_ngram, max_ngram, k)
+    from mtpflow.kernels.ngram_triton import best_match_key_triton
+
+    return _follow(context, best_match_key_triton(context, max_ngram), min_ngram, k)
 
 
 def ngram_continuation(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int,
                        impl: str | None = None) -> torch.Tensor:
-    """Dispatcher: same result as ``ngram_continuation_reference``."""
-    if resolve_impl(impl, context.device) == "torch":
-        if context.device.type == "cpu":
-            return longest_match(context, min_ngram, max_ngram, k)[1]
-        return ngram_continuation_reference(context, min_ngram, max_ngram, k)
-    from mtpflow.kernels.ngram_triton import best_match_key_triton
-
-    return _follow(context, best_match_key_triton(context, max_ngram), min_ngram, k)
+    """``ngram_match``'s continuation only (same result as ``ngram_continuation_reference``)."""
+    return ngram_match(context, min_ngram, max_ngram, k, impl)[1]

@@ -16,7 +16,7 @@ def graft_tree(draft: Draft, tokens: list[int], parents: list[int], pfs: list[fl
     (``GraftedTree.add`` says how); several trees at once: ``GraftedTree``."""
     if not tokens:
         return draft
-    merged = GraftedTree(draft)
+    merged = GraftedTree.of_draft(draft)
     merged.add(tokens, parents, pfs, mark, extra, calibrated)
     return merged.draft()
 
@@ -26,33 +26,28 @@ class GraftedTree:
     at the end (``draft``): one conversion each way however many trees are grafted (a conversion of a small draft
     costs more than the merge itself). The result is the one ``graft_tree`` gives applied tree by tree."""
 
-    def __init__(self, draft: Draft):
-        self.host, self.n = draft, draft.num_nodes
-        self.tokens, self.parents = draft.tokens.tolist(), draft.parents.tolist()
-        self.probs = draft.probs.tolist() if draft.probs is not None else [1.0] * self.n
-        self.scores = {key: value.tolist() for key, value in draft.scores.items()}
-        if "pfs" not in self.scores:
-            self.scores["pfs"] = _path_products(self.probs, self.parents) if draft.probs is not None else [1.0] * self.n
-        self.source, self.grafted = draft.source, False
-        self._index()
-
-    @classmethod
-    def of_lists(cls, tokens: list[int], parents: list[int], probs: list[float], scores: dict[str, list[float]],
-                 source: str) -> GraftedTree:
-        """A host tree given as lists (a drafter's own nodes, before any ``Draft`` exists): ``probs`` each node's
-        draft probability, ``scores`` per-node scores, "pfs" among them."""
-        self = cls.__new__(cls)
-        self.host, self.n, self.source, self.grafted = None, len(tokens), source, False
+    def __init__(self, tokens: list[int], parents: list[int], probs: list[float], scores: dict[str, list[float]],
+                 source: str, host: Draft | None = None):
+        """A host tree as lists (a drafter's own nodes): ``probs`` each node's draft probability, ``scores`` per-node
+        scores, "pfs" among them; ``host``: the ``Draft`` they came from (``of_draft``), given back when nothing is
+        grafted, its ``dists`` extended otherwise."""
+        self.host, self.n, self.source, self.grafted = host, len(tokens), source, False
         self.tokens, self.parents, self.probs = list(tokens), list(parents), list(probs)
         self.scores = {key: list(value) for key, value in scores.items()}
-        self._index()
-        return self
-
-    def _index(self) -> None:
         self.child = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens))}
         self.first_child: dict[int, int] = {}  # parent -> its lowest-numbered child
         for i, p in enumerate(self.parents):
             self.first_child.setdefault(p, i)
+
+    @classmethod
+    def of_draft(cls, draft: Draft) -> GraftedTree:
+        """``draft`` as the host (its path scores from its probabilities where it has no "pfs")."""
+        parents = draft.parents.tolist()
+        probs = draft.probs.tolist() if draft.probs is not None else [1.0] * len(parents)
+        scores = {key: value.tolist() for key, value in draft.scores.items()}
+        if "pfs" not in scores:
+            scores["pfs"] = _path_products(probs, parents) if draft.probs is not None else [1.0] * len(parents)
+        return cls(draft.tokens.tolist(), parents, probs, scores, draft.source, draft)
 
     def add(self, tokens: list[int], parents: list[int], pfs: list[float], mark: str,
             extra: dict[str, list[float]] | None = None, calibrated: bool = True) -> None:

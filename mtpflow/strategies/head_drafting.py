@@ -51,8 +51,7 @@ class DraftVocabulary:
         ``product``: ``Backend.head_product`` with the draft's precision bound; ``embeddings``: the target's input
         embeddings of ``draft_ids`` [draft_vocab, hidden] (a tree node's token is always a draft token: looked up
         here rather than through the model's embedding, which the int8 model dequantizes on each lookup)."""
-        self.draft_ids = draft_ids.long().cpu()  # [draft_vocab] target token id of each draft token
-        self.id_list = self.draft_ids.tolist()  # the same as Python ints: a tree's tokens are mapped as lists
+        self.id_list = draft_ids.long().tolist()  # the target token id of each draft token (trees map lists)
         self.logits = product(rows)
         self.embeddings = embeddings.detach().float()
 

@@ -316,8 +316,8 @@ class MTPHeadsProposer:
 
     def _draft(self, tokens, parents, node_p, path_p, entropy) -> GraftedTree:
         ids = self.vocab.id_list
-        return GraftedTree.of_lists([ids[t] for t in tokens], parents, node_p, {"pfs": path_p, "entropy": entropy},
-                                    f"mtp_heads:{self.kind}")
+        return GraftedTree([ids[t] for t in tokens], parents, node_p, {"pfs": path_p, "entropy": entropy},
+                           f"mtp_heads:{self.kind}")
 
     def _propose_medusa(self, state: DecodeState, k: int) -> GraftedTree:
         drafter: MedusaDraft = self.drafter

@@ -8,9 +8,7 @@ import torch
 
 from mtpflow.errors import ConfigError, check_k, check_range
 from mtpflow.plugins import hookimpl
-from mtpflow.kernels import ngram_continuation
-from mtpflow.kernels.dispatch import resolve_impl
-from mtpflow.kernels.ngram import longest_match
+from mtpflow.kernels import ngram_continuation, ngram_match
 from mtpflow.cost_model import AUTO, CostCurve, DecayedAcceptance, check_costs, load_verify_costs
 from mtpflow.types import DecodeState, Draft, StepRecord
 
@@ -32,14 +30,9 @@ def lookup_acceptance(min_ngram: int, max_ngram: int, memory: float) -> dict[int
 
 def longest_ngram_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
     """(n, continuation) for the longest suffix n-gram (max_ngram down to min_ngram) with an earlier match,
-    or (None, empty) when nothing matches; ``find_ngram_continuation`` without telling n."""
-    if context.device.type == "cpu" and resolve_impl(None, context.device) == "torch":
-        return longest_match(context, min_ngram, max_ngram, k)  # every n in one pass
-    for n in range(max_ngram, min_ngram - 1, -1):
-        follow = find_ngram_continuation(context, n, n, k)
-        if follow.numel():
-            return n, follow
-    return None, context.new_zeros(0)
+    or (None, empty) when nothing matches: ``find_ngram_continuation`` telling n (the ``mtpflow.kernels`` match
+    reports it)."""
+    return ngram_match(context, min_ngram, max_ngram, k)
 
 
 class PromptLookupProposer:

@@ -79,7 +79,6 @@ class AdjacencyTable:
     def __init__(self, vocab_size: int, top_k: int, template: TreeTemplate, prior_weight: float = 4.0):
         self.vocab_size, self.top_k, self.template = int(vocab_size), int(top_k), template
         self.table = torch.full((self.vocab_size, self.top_k), -1, dtype=torch.int32)  # [vocab, top_k]
-        self.grid = self.table.numpy()  # a view of the same memory (the table stays on the CPU)
         self.prior = torch.tensor(template.prior, dtype=torch.float64)  # [template nodes]
         self.prior_weight = float(prior_weight)
         self.accepted = torch.zeros(len(template), dtype=torch.float64)  # [template nodes] decayed counts
@@ -108,13 +107,14 @@ class AdjacencyTable:
         at = {-1: 0}  # template node -> draft node (-1: the root)
         token_of = {-1: int(root)}
         with self.lock:
+            grid = self.table.numpy()
             for level in template.levels[:depth]:
                 live = [j for j in level if template.parents[j] in token_of]
                 if not live:
                     break
-                # read through the table's numpy view (the same memory): a few lookups a level, where a torch
-                # index over new tensors costs several times more
-                found = self.grid[[token_of[template.parents[j]] for j in live],
+                # read through the table's numpy view (the same memory; the table stays on the CPU): a few
+                # lookups a level, where a torch index over new tensors costs several times more
+                found = grid[[token_of[template.parents[j]] for j in live],
                                   [template.ranks[j] for j in live]].tolist()
                 for j, token in zip(live, found):
                     if token < 0:

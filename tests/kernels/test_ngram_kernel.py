@@ -42,21 +42,23 @@ def test_pld_uses_the_dispatcher_with_identical_results():
                            ngram_continuation_reference(context, min_n, max_n, k))
 
 
-def test_the_cpu_byte_search_equals_the_reference():
-    from mtpflow.kernels.ngram import longest_match
+def test_every_match_reports_the_references_n_and_continuation():
+    from mtpflow.kernels import ngram_match, ngram_match_reference
     from mtpflow.strategies.pld import longest_ngram_match
 
     cases = list(_cases(5, 600))
     # tokens whose 8 bytes overlap when shifted: a substring hit across token boundaries is no match
     cases.append((torch.tensor([1 << 56, 1, 1 << 8, 5, 1 << 8, 1], dtype=torch.long), 1, 3, 3))
     cases.append((torch.tensor([7, 1 << 8, 0, 1, 7, 1 << 8], dtype=torch.long), 1, 2, 2))
-    for context, min_n, max_n, k in cases:
-        expected = ngram_continuation_reference(context, min_n, max_n, k)
-        n, follow = longest_match(context, min_n, max_n, k)
-        assert torch.equal(follow, expected) and follow.dtype == expected.dtype
-        assert torch.equal(ngram_continuation(context, min_n, max_n, k, impl="torch"), expected)
-        # the n it reports is the longest with a match: the reference over that n alone finds the same
-        by_n = next(((m, f) for m in range(max_n, min_n - 1, -1)
-                     if (f := ngram_continuation_reference(context, m, m, k)).numel()), (None, None))
-        assert n == by_n[0]
+    for i, (context, min_n, max_n, k) in enumerate(cases):
+        n, expected = ngram_match_reference(context, min_n, max_n, k)
+        assert torch.equal(expected, ngram_continuation_reference(context, min_n, max_n, k))
+        # the n it reports is the longest with a match: the loop over that n alone finds the same
+        by_n = next((m for m in range(max_n, min_n - 1, -1)
+                     if ngram_continuation_reference(context, m, m, k).numel()), None)
+        assert n == by_n
+        impls = ["torch"] + (["triton"] if i % 10 == 0 else [])  # the interpreter is slow: every tenth case
+        for impl in impls:
+            got_n, follow = ngram_match(context.to(DEVICE), min_n, max_n, k, impl=impl)
+            assert got_n == n and torch.equal(follow.cpu(), expected) and follow.dtype == expected.dtype, impl
         assert longest_ngram_match(context, min_n, max_n, k)[0] == n

@@ -156,7 +156,7 @@ def test_node_origin_tells_heads_from_lookup():
 
     tree = Draft(torch.tensor([10, 20]), torch.tensor([-1, 0]), probs=torch.tensor([0.5, 0.5]),
                  source="mtp_heads:medusa", scores={"pfs": torch.tensor([0.5, 0.25])})
-    grafted = GraftedTree(tree)
+    grafted = GraftedTree.of_draft(tree)
     grafted.add_chain([10, 30], 0.8, "lookup")  # shares 10, adds 30
     merged = grafted.draft()
     assert [node_origin(merged, i) for i in range(3)] == ["heads + lookup", "heads", "prompt lookup"]

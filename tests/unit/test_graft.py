@@ -43,7 +43,7 @@ def test_a_stochastic_host_gets_point_masses_for_new_nodes():
 def test_an_empty_host_takes_the_first_trees_mark_and_an_empty_tree_changes_nothing():
     empty = Draft.empty("heads")
     assert graft_tree(empty, [], [], [], "lookup") is empty
-    merged = GraftedTree(empty)
+    merged = GraftedTree.of_draft(empty)
     merged.add([], [], [], "lookup")
     assert merged.draft() is empty
     merged.add([5, 6], [-1, 0], [0.5, 0.25], "suffix")
@@ -75,7 +75,7 @@ def test_several_trees_over_lists_equal_grafting_one_at_a_time():
             grafts.append((gt, gp, [rng.random() for _ in range(m)], rng.choice(["recycled", "suffix"]),
                            {f"x{g}": [rng.random() for _ in range(m)]} if rng.random() < 0.5 else None,
                            rng.random() < 0.7))
-        one_at_a_time, merged = host, GraftedTree(host)
+        one_at_a_time, merged = host, GraftedTree.of_draft(host)
         for gt, gp, pfs, mark, extra, calibrated in grafts:
             one_at_a_time = graft_tree(one_at_a_time, gt, gp, pfs, mark, extra=extra, calibrated=calibrated)
             merged.add(gt, gp, pfs, mark, extra=extra, calibrated=calibrated)

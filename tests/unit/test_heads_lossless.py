@@ -146,7 +146,7 @@ def test_shipped_heads_match_hf_greedy(default_loaded, kind):
 def graft_chain(tree, chain, acceptance):
     from mtpflow.strategies.graft import GraftedTree
 
-    merged = GraftedTree(tree)
+    merged = GraftedTree.of_draft(tree)
     merged.add_chain(chain, acceptance, "lookup")
     return merged.draft()
 

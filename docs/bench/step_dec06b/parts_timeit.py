@@ -94,7 +94,7 @@ def main(before: str) -> None:
         return old_graft.graft_tree(d, *suffix, "suffix")
 
     def graft_after():
-        merged = graft.GraftedTree(heads)
+        merged = graft.GraftedTree.of_draft(heads)
         merged.add(*recycled, "recycled", extra={"recycling_node": [1.0] * 20})
         merged.add(*suffix, "suffix")
         return merged.draft()

@@ -47,19 +47,13 @@ def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
         ids.append(int(root))
         positions.append(base)
         if draft.num_nodes:
-            parents = draft.parents.tolist()
             ids += draft.tokens.tolist()
-            depth = [0] * len(parents)
-            for i, p in enumerate(parents):
-                depth[i] = 1 if p < 0 else depth[p] + 1
-            positions += [base + d for d in depth]
+            positions += [base + d for d in draft.depth_list()]
             masks.append(tree_allowed(draft.parents))
         else:
             masks.append(None)
         counts.append(1 + draft.num_nodes)
-    widest = max(counts)
-    allowed = (torch.ones(1, 1, dtype=torch.uint8) if widest == 1 and len(counts) == 1
-               else torch.zeros(sum(counts), widest, dtype=torch.uint8))
+    allowed = torch.zeros(sum(counts), max(counts), dtype=torch.uint8)
     rows = VerifyRows(torch.tensor(ids, dtype=torch.long), torch.tensor(positions, dtype=torch.long), allowed,
                       [], [], [], [], [], [], counts)
     start = 0
@@ -67,7 +61,7 @@ def verify_rows(targets, roots, drafts, root_positions) -> VerifyRows:
         length = target.kv.length
         if mask is not None:
             allowed[start:start + n, :n] = mask
-        elif widest > 1 or len(counts) > 1:
+        else:  # the root alone sees itself
             allowed[start, 0] = 1
         rows.slots += [target.kv.slot] * n
         rows.wpos += range(length, length + n)
