@@ -33,3 +33,13 @@ class SharedState:
         with self._lock:
             for name in [n for n in self._items if keep is None or not keep(n)]:
                 del self._items[name]
+
+
+# names of shared objects made from the model, not learned from requests (prepared draft heads, the int8 draft
+# model): a benchmark that clears what requests taught (first-time requests) keeps these, so no pass times making them
+PREPARED_PREFIXES = ("heads:", "int8_model:")
+
+
+def prepared(name: str) -> bool:
+    """Whether the shared object ``name`` was made from the model rather than learned (``PREPARED_PREFIXES``)."""
+    return name.startswith(PREPARED_PREFIXES)

@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from mtpflow.config import check_batch_k
 from mtpflow.tools.specbench import best_of_repeats, load_prompt_suite
 from mtpflow.errors import ConfigError, UserError, check_int, writable_folder
+from mtpflow.shared import prepared
 
 DEFAULTS = {
     "strategies": ["baseline", "pld"],
@@ -206,7 +207,7 @@ def decode_runs(opts, suite: list[dict] | None = None):
     bar = tqdm(total=total, desc="bench", unit="run", file=sys.stderr)
     for rep in range(int(opts.repeats)):
         for pipe in pipes.values():
-            pipe.shared.clear()
+            pipe.shared.clear(keep=prepared)  # what requests taught goes; what was made from the model stays
         for item in suite:
             for turn in range(turns_of(item)):
                 u = unit(item, turn)

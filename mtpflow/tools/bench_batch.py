@@ -18,6 +18,8 @@ import time
 
 import torch
 
+from mtpflow.shared import prepared
+
 
 def hf_batched(model, prompts: list[torch.Tensor], max_new_tokens: int, eos_ids, pad_id: int):
     """Greedy ``generate`` over left-padded prompts: (token ids per prompt, cut at the first EOS; seconds)."""
@@ -114,7 +116,7 @@ def run_batch_bench(opts, load_prompt_suite, context: dict | None = None) -> "pa
             engine.max_batch_size, engine.batch_k = b, batch_k
             # first-time requests: what an earlier setting decoded must not sit in the suffix cache or the
             # recycling table (mtp grafts both), or a later setting would draft the outputs it has seen
-            engine.shared.clear()
+            engine.shared.clear(keep=prepared)
             t0 = time.perf_counter()
             handles = engine.submit_many([Request(prompt_ids=p, strategy=name) for p in prompts])
             results = [h.result() for h in handles]

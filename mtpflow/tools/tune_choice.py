@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 
 from mtpflow.errors import UserError
+from mtpflow.shared import prepared
 
 MAX_NEW_TOKENS = 128  # as the benchmark decodes (python -m mtpflow.bench max_new_tokens=128)
 REPEATS = 3
@@ -31,12 +32,6 @@ def tuning_prompts() -> list[str]:
     for row in load_prompts("heldout"):
         first.setdefault(row["domain"], row["text"])
     return list(first.values())
-
-
-def prepared_products(name: str) -> bool:
-    """Shared objects made from the model, not learned from requests (prepared draft heads): kept between passes, so
-    no pass times their preparation."""
-    return name.startswith("heads:")
 
 
 def measure_choice(engine, cfg, prompts: list[str] | None = None, max_new_tokens: int = MAX_NEW_TOKENS,
@@ -79,7 +74,7 @@ def measure_choice(engine, cfg, prompts: list[str] | None = None, max_new_tokens
         for r in range(repeats):
             shift = r % len(runnable)
             for c in runnable[shift:] + runnable[:shift]:
-                engine.shared.clear(keep=prepared_products)  # first-time requests
+                engine.shared.clear(keep=prepared)  # first-time requests
                 t0 = time.perf_counter()
                 results = run(c, max_new_tokens, ids)
                 seconds = time.perf_counter() - t0
