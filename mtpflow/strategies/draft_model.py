@@ -7,8 +7,13 @@ forward over the tokens committed since the last draft). With ``quantize: int8``
 the whole target with int8 weights: the backend's self-draft (``state.extras["self_draft"]``; the ``native_cpu``
 backend's runs every layer's products over an int8 copy of its weights, a quarter of the bytes a float32 step
 reads, on the target's own KV cache, whose committed entries the float32 verify forwards wrote); it agrees with
-the float32 model on nearly every token, so long chains are accepted. What a draft token costs against a step is
-measured as it runs (``draft_seconds``); the figures of one host are in docs/strategies.md."""
+the float32 model on nearly every token, so long chains are accepted. With ``kv: own`` (``int8_draft``'s default) the
+draft is the int8 model of ``model.quantize=int8`` instead (int8 weights and activations: the integer products of
+``mtpflow_w8a8_rows``, about half the time of the int8 copy's float products) on an int8 KV cache of its own, which
+catches up on the committed tokens in the first draft row of each step (``Int8ModelDraft``): it agrees with the
+float32 model a little less often, and costs about half as much per draft token. What a draft token and a verify
+forward cost is measured as it runs (``draft_seconds``, ``base_seconds``); the figures of one host are in
+docs/strategies.md."""
 from __future__ import annotations
 
 import collections
@@ -62,15 +67,18 @@ class DraftModelProposer:
 
     def __init__(self, model: str | None = None, layers: int | None = None, dtype: str = "auto",
                  cost_aware: bool = True, probe_every: int = 8, acceptance_prior: float = 0.5,
-                 decay: float = 0.9, costs=None, quantize: str | None = None):
+                 decay: float = 0.9, costs=None, quantize: str | None = None, kv: str = "target"):
         if quantize not in (None, "int8"):
             raise ConfigError(f"strategy.propose.quantize must be null or int8, got {quantize!r}")
+        if kv not in ("target", "own"):
+            raise ConfigError(f"strategy.propose.kv must be target or own, got {kv!r}")
         if quantize and (model is not None or layers is not None):
             raise ConfigError("strategy.propose.quantize drafts with the whole target: leave model and layers null")
         if model is None and layers is None and quantize is None:
             raise ConfigError("strategy.propose needs a draft model (model=<HF id or path>), layers=<N> or "
                               "quantize=int8")
-        self.model_name, self.layers, self.dtype, self.quantize = model, layers, dtype, quantize
+        self.model_name, self.layers, self.dtype, self.quantize, self.kv = model, layers, dtype, quantize, kv
+        self.own: Int8ModelDraft | None = None  # kv=own over a float target: the int8 model on its own cache
         self.cost_aware = bool(cost_aware)
         self.probe_every = check_k("strategy.propose.probe_every", probe_every)
         self._acceptance = DecayedAcceptance(check_range("strategy.propose.acceptance_prior", acceptance_prior, 0, 1),
@@ -80,9 +88,10 @@ class DraftModelProposer:
         self.cache = None
         self.cached = 0  # committed tokens in a separate draft model's cache
         self.curve: CostCurve | None = None
-        self.base_seconds = 0.0  # a one-token target forward
+        self.base_seconds = 0.0  # a one-token target forward: the profile's, then the fastest of this run's
         self.draft_seconds: float | None = None  # time of one draft forward: the fastest of the recent ones
         self._draft_times: collections.deque[float] = collections.deque(maxlen=8)
+        self._base_times: collections.deque[float] = collections.deque(maxlen=8)
         self.probes = ProbeSchedule(self.probe_every)
         self.skipped = 0
 
@@ -91,7 +100,11 @@ class DraftModelProposer:
         # the backend drafts with the target's first layers itself where the model's modules cannot (the int8 model)
         self.backend_layers = bool(not self.quantize and not self.model_name and context.backend is not None
                                    and context.backend.drafts_layers)
-        if self.quantize or self.backend_layers:
+        self.own = None
+        if self.quantize and self.kv == "own" and _float_native(context):
+            self.draft = None
+            self.own = Int8ModelDraft(_int8_model(context), max_context=_max_context(context))
+        elif self.quantize or self.backend_layers:
             self.draft = None  # the target's own layers through the backend's self-draft
         elif self.model_name:
             from mtpflow.model import load_model
@@ -105,12 +118,28 @@ class DraftModelProposer:
         # a separate draft model keeps its own cache; the self-draft uses the target's (``_shared_draft``)
         self.cache = DynamicCache(config=self.draft.config) if self.model_name and self.draft is not None else None
         self.cached = 0
-        facts = {"draft_model": self.model_name or (f"target[:{self.layers} layers]" if self.layers else "target int8")}
+        facts = {"draft_model": "int8 model, own cache" if self.own is not None else (
+            self.model_name or (f"target[:{self.layers} layers]" if self.layers else "target int8"))}
         if self.cost_aware:
             costs, source = (self.given_costs, "given") if self.given_costs else load_verify_costs(context)
             self.curve, self.base_seconds = CostCurve(costs), float(costs[0])
             facts["draft_costs"] = source
         return facts
+
+    def unavailable(self, model_config) -> str | None:
+        """Why an int8 draft cannot pay here (``mtp``'s candidates, ``strategy_choice``), or None: over the int8
+        model there is no cheaper int8 copy, and only the native CPU backend drafts with one."""
+        if not self.quantize:
+            return None
+        if model_config.get("quantize") == "int8":
+            return "the target is the int8 model itself: no cheaper int8 draft"
+        if str(model_config.get("backend") or "auto") not in ("auto", "native_cpu"):
+            return "the int8 draft runs on the native_cpu backend"
+        if str(model_config.get("device") or "auto").startswith("cuda"):
+            return "the int8 draft runs on the CPU"
+        from mtpflow.backends.native import kernel
+
+        return None if kernel.available() else "the native CPU kernels could not be built"
 
     @hookimpl
     def run_stats(self):
@@ -143,6 +172,13 @@ class DraftModelProposer:
         self.probes.observe(n, record.decision.num_accepted if n else 0)
         if n:
             self._acceptance.update(record.decision.num_accepted, n)
+        # the one-token forward as this run sees it: the draft's time is measured as it runs, so the verify's must be
+        # too (a profile measured at another time of a shared or drifting machine, set against a draft timed now,
+        # skewed every choice); the profile's curve still says what n draft rows add to it. The fastest of the
+        # last 8, as for the draft: load only ever adds time
+        if record.forward_seconds > 0 and self.curve is not None:
+            self._base_times.append(record.forward_seconds / self.curve(n))
+            self.base_seconds = min(self._base_times)
 
     @torch.inference_mode()
     def _forward(self, ids: list[int], start: int) -> torch.Tensor:
@@ -158,6 +194,8 @@ class DraftModelProposer:
         if k == 0:
             self.skipped += 1
             return Draft.empty("draft_model")
+        if self.own is not None:
+            return self._own_draft(state, k)
         if self.quantize or self.backend_layers:
             return self._int8_draft(state, k)
         if self.model_name is None:
@@ -218,6 +256,15 @@ class DraftModelProposer:
         self._time_draft((time.perf_counter() - t0) / k)
         return _chain(drafted, [])
 
+    def _own_draft(self, state: DecodeState, k: int) -> Draft:
+        """``k`` greedy tokens of the int8 model on its own cache (``Int8ModelDraft``); its forwards after the first
+        are timed (the first also catches up on what was committed since the last draft: a prompt's whole length
+        on a request's first draft)."""
+        drafted, seconds = self.own.draft(state.tokens, k)
+        if seconds is not None:
+            self._time_draft(seconds)
+        return _chain(drafted, [])
+
     def _time_draft(self, seconds: float) -> None:
         # the fastest of the last 8: load only ever adds time, and a process's first draft forward pays one-time
         # costs, many times a later one's (measured: docs/bench/code-figures.md#draft_model-_time_draft), which a
@@ -239,3 +286,86 @@ def _pick(logits: torch.Tensor, state: DecodeState, dists: list[torch.Tensor]) -
 def _chain(drafted: list[int], dists: list[torch.Tensor]) -> Draft:
     draft = Draft.chain(drafted, source="draft_model")
     return replace(draft, dists=torch.stack(dists)) if dists else draft
+
+
+class Int8ModelDraft:
+    """One sequence's draft by the int8 model of the float target (``model.quantize=int8``'s model: int8 weights and
+    activations, the native ``mtpflow_w8a8_rows``) on an int8 KV cache of its own (a ``Target`` on the int8 model's
+    backend, which the engine's requests share; the cache slot is this sequence's). The cache keeps the entries of
+    the last draft's tokens: an entry depends only on the tokens up to it, so where the target accepted them they
+    are the committed tokens' entries already, and each draft's first forward feeds only what follows the longest
+    prefix the cache holds (the root last; typically the root alone, or with the one accepted token the last draft
+    forward did not feed): a prefill from there, the head on its last row only. Every later draft token is a
+    one-row forward. Positions are the sequence's own (0 at its first token): a target that evicts entries (a
+    sliding window) does not change what the draft sees."""
+
+    def __init__(self, backend, max_context: int):
+        from mtpflow.target import Target
+
+        self.target = Target(backend, pool=backend.make_pool(1))
+        self.max_context = int(max_context)
+        self.ids: list[int] = []  # the token of each cache entry, in position order
+        self.committed = 0  # entries known to hold committed tokens (the sequence's length at the last draft)
+
+    @torch.inference_mode()
+    def draft(self, tokens: torch.Tensor, k: int) -> tuple[list[int], float | None]:
+        """``k`` greedy tokens after ``tokens`` (the sequence so far, the root last) and the seconds per one-row draft
+        forward (None where only the first, catching-up forward ran); fewer tokens near the model's context."""
+        t = self.target
+        n = int(tokens.numel())
+        k = min(int(k), self.max_context - n)
+        if k <= 0:
+            return [], None
+        keep = min(self.committed, n - 1)
+        ahead = tokens[keep:min(len(self.ids), n - 1)].tolist()  # past what was committed: the last draft's tokens
+        for token in ahead:
+            if token != self.ids[keep]:
+                break
+            keep += 1
+        fed = tokens[keep:n]
+        t.cache_len = keep
+        logits, _ = t.prefill(fed, start_position=keep)
+        drafted = [int(logits[-1].argmax())]
+        seconds = None
+        if k > 1:  # the backend's one-row loop: its entries go after the cache's length, which is set below
+            start = time.perf_counter()
+            drafted += t.backend.self_draft(t, drafted[0], n, k - 1)
+            seconds = (time.perf_counter() - start) / (k - 1)
+        t.cache_len = n + k - 1
+        del self.ids[keep:]
+        self.ids += fed.tolist() + drafted[:-1]  # the last draft token was not fed: no entry
+        self.committed = n
+        return drafted, seconds
+
+
+def _float_native(context) -> bool:
+    """Whether the run's target is a float model on the native CPU backend (not the int8 model itself, whose own
+    greedy is no cheaper draft), which is what ``kv: own`` drafts for."""
+    backend = getattr(context, "backend", None)
+    model_cfg = (getattr(context, "config", None) or {}).get("model", {}) or {}
+    return (backend is not None and backend.name == "native_cpu" and model_cfg.get("quantize") != "int8"
+            and not getattr(backend, "drafts_layers", False))
+
+
+def _max_context(context) -> int:
+    return int(getattr(context.model.config, "max_position_embeddings", 0) or 2048)
+
+
+def _int8_model(context):
+    """The int8 model of the run's float target and its native backend, made once per engine (``context.shared``)
+    from the target's weights in memory (the target is not changed); a one-line UserError where it cannot run."""
+    from mtpflow.backends.native import cpu, int8
+
+    def prepare():
+        reason = cpu.not_applicable(context.model, int8.SOURCE_DTYPES)
+        if reason is not None:
+            raise UserError(f"strategy.propose.kv=own drafts with the int8 model, which does not apply here: {reason}")
+        backend = int8.NativeInt8Backend(context.model, int8.int8_model(context.model, None))
+        backend.governed = False  # the target's forwards decide the thread count (NativeInt8Backend.governed)
+        return backend
+
+    shared = getattr(context, "shared", None)
+    return prepare() if shared is None else shared.get(INT8_MODEL_KEY, prepare)
+
+
+INT8_MODEL_KEY = "int8_model:draft"  # made from the model, not learned from requests: ``mtpflow.shared.prepared``

@@ -1,6 +1,7 @@
 """The int8 self-draft (strategy ``int8_draft``): the target's own layers over an int8 copy of their weights draft
-on the target's KV cache (``NativeCPUBackend.self_draft``, native rows); the float32 target verifies. Lossless on the
-tiny model and the default model, what the int8 rows compute, its memory, its errors."""
+on the target's KV cache (``kv: target``: ``NativeCPUBackend.self_draft``, native rows), or the int8 model on a cache
+of its own (``kv: own``: ``draft_model.Int8ModelDraft``); the float32 target verifies. Lossless on the tiny model and
+the default model, what each draft computes, its memory, its errors, the cost model's live base."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +9,10 @@ import torch
 from transformers import DynamicCache
 
 from helpers import hf_greedy, make_pipeline, make_tiny_model
+from mtpflow import backends
 from mtpflow.errors import ConfigError, UserError
 from mtpflow.backends.native import kernel, products
-from mtpflow.strategies.draft_model import DraftModelProposer
+from mtpflow.strategies.draft_model import DraftModelProposer, Int8ModelDraft
 from mtpflow.target import Target
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="the native CPU kernels could not be built")
@@ -65,33 +67,103 @@ def test_int8_rows_compute_the_dequantized_model_on_the_float_cache(tiny):
     assert spec.int8_bytes == layers * (per_layer + 4 * (qkv + hidden + 2 * inter + hidden))  # + float scales
 
 
-def test_int8_draft_is_lossless_and_drafts(tiny):
-    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=40", "strategy.propose.cost_aware=false")
+@pytest.mark.parametrize("kv,named", [("target", "target int8"), ("own", "int8 model, own cache")])
+def test_int8_draft_is_lossless_and_drafts(tiny, kv, named):
+    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=40", "strategy.propose.cost_aware=false",
+                           f"strategy.propose.kv={kv}")
     for prompt in PROMPTS:
         result = pipe(prompt_ids=prompt)
         assert result.token_ids == hf_greedy(pipe.loaded.model, prompt, 40)
         assert result.stats["draft_tokens"] > 0 and result.stats["accepted_tokens"] > 0
-        assert result.stats["draft_model"] == "target int8"
+        assert result.stats["draft_model"] == named
 
 
-def test_int8_copy_is_built_once_and_bounded_after_200_requests(tiny):
-    """The int8 copy is the draft's only extra memory: built once per model, the same bytes after 200 requests."""
-    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=6", "strategy.propose.cost_aware=false")
+def test_own_cache_draft_in_an_engine_batch(tiny):
+    """Several sequences at once, each with its own draft cache slot over the one shared int8 model: each output is
+    HF's greedy, and the int8 model is made once for the engine."""
+    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=24", "strategy.propose.cost_aware=false")
+    handles = pipe.engine.submit_many([pipe.request(prompt_ids=p) for p in PROMPTS])
+    for prompt, handle in zip(PROMPTS, handles):
+        assert handle.result().token_ids == hf_greedy(pipe.loaded.model, prompt, 24)
+    assert [n for n in pipe.shared.names() if n.startswith("int8_model:")] == ["int8_model:draft"]
+
+
+def test_own_cache_draft_is_the_int8_models_greedy(tiny):
+    """``Int8ModelDraft`` drafts what the int8 model's reference decodes greedily from the same tokens, on the first
+    draft (the whole prompt caught up), after a draft whose tokens were rejected (its entries dropped) and after more
+    tokens were committed (caught up in one forward); near the context's end it drafts fewer."""
+    model = make_tiny_model(len(tiny.tokenizer), seed=0)
+    weights = backends.quantize_int8(model)
+    reference = backends.int8_reference(weights)
+    draft = Int8ModelDraft(backends.create(model, "native_cpu", int8=weights), max_context=64)
+    prompt = torch.tensor(PROMPTS[2])
+    want = reference.greedy(prompt, 12)
+    drafted, seconds = draft.draft(prompt, 5)
+    assert drafted == want[:5] and seconds is not None and seconds > 0
+    drafted, _ = draft.draft(prompt, 3)  # the same root again: the last draft's entries were dropped
+    assert drafted == want[:3]
+    longer = torch.cat([prompt, torch.tensor(want[:4])])  # four tokens committed since
+    assert draft.draft(longer, 6)[0] == want[4:10]
+    # the entries of the accepted draft tokens were kept: the cache holds the sequence and the fed draft tokens
+    assert draft.target.cache_len == len(draft.ids) == len(longer) + 5 and draft.ids[len(prompt):] == want[:9]
+    assert draft.draft(longer, 1) == ([want[4]], None)
+    assert len(draft.draft(torch.cat([longer, torch.zeros(64 - 16, dtype=torch.long)]), 8)[0]) == 2
+
+
+@pytest.mark.parametrize("kv", ["target", "own"])
+def test_int8_copy_is_built_once_and_bounded_after_200_requests(tiny, kv):
+    """The int8 weights are the draft's only extra memory: built once per model (``kv: target``: the backend's int8
+    copy; ``kv: own``: the int8 model, shared by the engine's requests, and no copy), the same after 200 requests."""
+    pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=6", "strategy.propose.cost_aware=false",
+                           f"strategy.propose.kv={kv}")
     g = torch.Generator().manual_seed(3)
-    spec, built = None, None
+    built = None
     for i in range(200):
         pipe(prompt_ids=torch.randint(1, len(tiny.tokenizer), (int(torch.randint(3, 20, (1,), generator=g)),),
                                       generator=g).tolist())
         spec = pipe.engine.backend._rows
-        if built is None:
-            built = (spec.int8_bytes, id(spec._q8[1]))
-        assert (spec.int8_bytes, id(spec._q8[1])) == built
+        if kv == "target":
+            now = (spec.int8_bytes, id(spec._q8[1]))
+        else:
+            assert spec.int8_bytes == 0
+            own = pipe.shared.get("int8_model:draft", lambda: None)
+            now = (own.w.buffer.numel(), id(own))
+        built = built or now
+        assert now == built
     assert built[0] > 0
+
+
+def test_draft_cost_uses_this_runs_forward_times():
+    """The one-token forward the draft length is weighed against comes from this run's verify forwards (each over
+    the profile curve's factor for its draft length), the fastest of the last 8, not from the profile alone: a
+    profile measured on a faster moment of the machine made every draft look dear against a draft timed now."""
+    from types import SimpleNamespace
+    from mtpflow.cost_model import CostCurve
+
+    p = DraftModelProposer(quantize="int8", acceptance_prior=0.9)
+    p.curve, p.base_seconds, p.draft_seconds = CostCurve({0: 0.010, 4: 0.012, 8: 0.015}), 0.010, 0.009
+    assert p.draft_length(8) == 0  # against a 10 ms step a 9 ms draft token does not pay
+    for n, seconds in [(0, 0.031), (8, 0.045), (4, 0.036)]:  # this run: a one-token forward of 30 ms
+        p.on_step_end(SimpleNamespace(draft=SimpleNamespace(num_nodes=n), decision=SimpleNamespace(num_accepted=n),
+                                      forward_seconds=seconds))
+    assert p.base_seconds == pytest.approx(0.030)
+    assert p.draft_length(8) >= 3
+
+
+def test_int8_draft_says_where_it_cannot_pay():
+    p = DraftModelProposer(quantize="int8")
+    assert "int8 model itself" in p.unavailable({"quantize": "int8"})
+    assert "native_cpu" in p.unavailable({"backend": "hf"})
+    assert "CPU" in p.unavailable({"device": "cuda"})
+    assert p.unavailable({"backend": "auto"}) is None
+    assert DraftModelProposer(layers=2).unavailable({"quantize": "int8"}) is None
 
 
 def test_int8_draft_errors():
     with pytest.raises(ConfigError, match="quantize must be null or int8"):
         DraftModelProposer(quantize="int4")
+    with pytest.raises(ConfigError, match="kv must be target or own"):
+        DraftModelProposer(quantize="int8", kv="mine")
     with pytest.raises(ConfigError, match="leave model and layers null"):
         DraftModelProposer(quantize="int8", layers=2)
     with pytest.raises(ConfigError, match="quantize=int8"):

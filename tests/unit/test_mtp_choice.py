@@ -13,6 +13,7 @@ import pytest
 
 from helpers import hf_greedy, make_pipeline, save_tiny_model
 from mtpflow import host
+from mtpflow.backends.native import kernel
 from mtpflow.config import compose
 from mtpflow.engine import Engine
 from mtpflow.plugins.manager import default_run_plugins
@@ -155,7 +156,11 @@ def test_tune_measures_the_candidates_stores_the_winner_and_mtp_runs_it(tiny, en
                                 repeats=2)
         assert mtp_pipeline(mine).strategy_name == f"mtp -> {result['chosen']}"  # a new pipeline reads it
     stored = json.loads(path.read_text())["entries"][choice_key(engine.backend, engine.loaded)]["choice"]["mtp"]
-    assert set(stored["tokens_per_second"]) == {"suffix_cache", "pld", "recycling", "baseline"}
+    # int8_draft where the native kernels run (the engine's backend is native_cpu there), else left out
+    native = kernel.available()
+    assert set(stored["tokens_per_second"]) == {"suffix_cache", "pld", "recycling", "baseline"} | (
+        {"int8_draft"} if native else set())
+    assert native or "native CPU kernels" in stored["left_out"]["int8_draft"]
     assert all(v > 0 for v in stored["tokens_per_second"].values())
     speed = stored["tokens_per_second"]
     fastest = max(speed, key=speed.get)

@@ -130,6 +130,11 @@ class NativeInt8Backend(Backend):
                           softcap=w.attn_softcap, eps=w.eps, scale=w.attn_scale)
         self.kv = kernel.PoolPointers()
         self._huge_mb = None
+        # whether the thread governor watches this backend's forwards (``threads.GOVERNOR``); a draft model's backend
+        # runs on the count the target's forwards decide: its forwards, interleaved with the target's and slower
+        # right after them, made the governor take a quiet machine for a shared one (measured:
+        # docs/bench/step_dec07.md)
+        self.governed = True
 
     def make_pool(self, max_slots: int):
         """The int8 model's KV pool: each key and value entry its head_dim int8 values, then their float32 scale (the
@@ -152,14 +157,15 @@ class NativeInt8Backend(Backend):
         m = members["M"]
         head = self.w.head
         logits = None if head_from is None else torch.empty(m - head_from, head.n)
-        threads, start = GOVERNOR.threads(), time.perf_counter()
+        threads, start = GOVERNOR.threads(forward=self.governed), time.perf_counter()
         code = kernel.w8a8_rows(
             self.lib, h=h.data_ptr(), normed=normed.data_ptr(), **members, **{**self._dims, "L": layers or self._dims["L"]},
             **self._arrays, norm_w=self.w.norm.data_ptr(), window=None if self._window is None else self._window.data_ptr(),
             kc=keys, vc=values, cap=pool.capacity, threads=threads, head_q=head.q.data_ptr(),
             head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n, head_from=head_from or 0,
             logits=None if logits is None else logits.data_ptr())
-        GOVERNOR.observe(self, m, time.perf_counter() - start, threads, kind=layers)
+        if self.governed:
+            GOVERNOR.observe(self, m, time.perf_counter() - start, threads, kind=layers)
         if code != 0:
             raise MemoryError("mtpflow_w8a8_rows: out of memory")
         del held
