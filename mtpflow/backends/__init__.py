@@ -19,8 +19,8 @@ from mtpflow.backends.execution import ExecutionSpec, check_backend
 from mtpflow.backends.hf import HFBackend, reference
 from mtpflow.errors import UserError
 
-__all__ = ["Backend", "ExecutionSpec", "create", "int8_reference", "native_not_applicable", "quantize_int8",
-           "reference", "streamed_empty", "verify_rows"]
+__all__ = ["Backend", "ExecutionSpec", "create", "int8_draft_backend", "int8_reference", "native_kernels_available",
+           "native_not_applicable", "quantize_int8", "reference", "streamed_empty", "verify_rows"]
 
 
 def native_not_applicable(model) -> str | None:
@@ -37,6 +37,30 @@ def quantize_int8(model):
     from mtpflow.backends.native import cpu, int8
 
     return int8.quantize_model(model, cpu.not_applicable(model, int8.SOURCE_DTYPES))
+
+
+def native_kernels_available() -> bool:
+    """Whether mtpflow's C kernels are built (or can be) on this machine."""
+    from mtpflow.backends.native import kernel
+
+    return kernel.available()
+
+
+def int8_draft_backend(model) -> Backend:
+    """The int8 model of the float ``model`` on the native CPU backend, to draft with: its int8 weights made from
+    ``model``'s own in memory (``model`` is not changed, unlike ``quantize_int8``), its forwards not watched by the
+    thread governor (they run on the count the target's forwards decide: ``NativeInt8Backend.governed``). A
+    one-line UserError where it cannot run."""
+    from mtpflow.backends.native import cpu, int8
+
+    reason = cpu.not_applicable(model, int8.SOURCE_DTYPES)
+    if reason is None and not native_kernels_available():
+        reason = "mtpflow's C kernel could not be built here"
+    if reason is not None:
+        raise UserError(f"the int8 draft model does not apply here: {reason}")
+    backend = int8.NativeInt8Backend(model, int8.int8_model(model, None))
+    backend.governed = False
+    return backend
 
 
 def int8_reference(weights):

@@ -137,9 +137,9 @@ class DraftModelProposer:
             return "the int8 draft runs on the native_cpu backend"
         if str(model_config.get("device") or "auto").startswith("cuda"):
             return "the int8 draft runs on the CPU"
-        from mtpflow.backends.native import kernel
+        from mtpflow.backends import native_kernels_available
 
-        return None if kernel.available() else "the native CPU kernels could not be built"
+        return None if native_kernels_available() else "the native CPU kernels could not be built"
 
     @hookimpl
     def run_stats(self):
@@ -176,8 +176,9 @@ class DraftModelProposer:
         # too (a profile measured at another time of a shared or drifting machine, set against a draft timed now,
         # skewed every choice); the profile's curve still says what n draft rows add to it. The fastest of the
         # last 8, as for the draft: load only ever adds time
-        if record.forward_seconds > 0 and self.curve is not None:
-            self._base_times.append(record.forward_seconds / self.curve(n))
+        seconds = getattr(record, "forward_seconds", 0.0)  # a record a plugin made may not say
+        if seconds > 0 and self.curve is not None:
+            self._base_times.append(seconds / self.curve(n))
             self.base_seconds = min(self._base_times)
 
     @torch.inference_mode()
@@ -354,18 +355,12 @@ def _max_context(context) -> int:
 def _int8_model(context):
     """The int8 model of the run's float target and its native backend, made once per engine (``context.shared``)
     from the target's weights in memory (the target is not changed); a one-line UserError where it cannot run."""
-    from mtpflow.backends.native import cpu, int8
-
-    def prepare():
-        reason = cpu.not_applicable(context.model, int8.SOURCE_DTYPES)
-        if reason is not None:
-            raise UserError(f"strategy.propose.kv=own drafts with the int8 model, which does not apply here: {reason}")
-        backend = int8.NativeInt8Backend(context.model, int8.int8_model(context.model, None))
-        backend.governed = False  # the target's forwards decide the thread count (NativeInt8Backend.governed)
-        return backend
+    from mtpflow.backends import int8_draft_backend
 
     shared = getattr(context, "shared", None)
-    return prepare() if shared is None else shared.get(INT8_MODEL_KEY, prepare)
+    if shared is None:
+        return int8_draft_backend(context.model)
+    return shared.get(INT8_MODEL_KEY, lambda: int8_draft_backend(context.model))
 
 
 INT8_MODEL_KEY = "int8_model:draft"  # made from the model, not learned from requests: ``mtpflow.shared.prepared``
