@@ -163,6 +163,11 @@ def load_configured(m, spec: ExecutionSpec | None = None) -> LoadedModel:
     return load_model(m.name, m.get("gguf_file"), spec.dtype, spec.device, spec.attn_implementation, spec.quantize)
 
 
+def model_max_context(model) -> int:
+    """The positions ``model`` takes: its config's ``max_position_embeddings``, 2048 where it has none."""
+    return int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+
+
 @functools.lru_cache(maxsize=4)
 def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str = "auto",
                device: str = "auto", attn_implementation: str = "auto", quantize: str | None = None) -> LoadedModel:
@@ -195,5 +200,5 @@ def load_model(name: str | None = None, gguf_file: str | None = None, dtype: str
     eos_ids = set(eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos]))
     if tokenizer.eos_token_id is not None:
         eos_ids.add(tokenizer.eos_token_id)
-    max_context = int(getattr(model.config, "max_position_embeddings", 0) or 2048)
+    max_context = model_max_context(model)
     return LoadedModel(model, tokenizer, model_id, dev, torch_dtype, max_context, tuple(sorted(eos_ids)), int8)

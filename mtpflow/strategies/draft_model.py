@@ -10,8 +10,9 @@ reads, on the target's own KV cache, whose committed entries the float32 verify 
 the float32 model on nearly every token, so long chains are accepted. With ``kv: own`` (``int8_draft``'s default) the
 draft is the int8 model of ``model.quantize=int8`` instead (int8 weights and activations: the integer products of
 ``mtpflow_w8a8_rows``, about half the time of the int8 copy's float products) on an int8 KV cache of its own, which
-catches up on the committed tokens in the first draft row of each step (``Int8ModelDraft``): it agrees with the
-float32 model a little less often, and costs about half as much per draft token. What a draft token and a verify
+keeps its accepted draft tokens' entries and feeds the rest of what was committed in each step's first draft forward
+(``Int8ModelDraft``): it agrees with the float32 model a little less often, and costs about half as much per draft
+token. What a draft token and a verify
 forward cost is measured as it runs (``draft_seconds``, ``base_seconds``); the figures of one host are in
 docs/strategies.md."""
 from __future__ import annotations
@@ -103,7 +104,9 @@ class DraftModelProposer:
         self.own = None
         if self.quantize and self.kv == "own" and _float_native(context):
             self.draft = None
-            self.own = Int8ModelDraft(_int8_model(context), max_context=_max_context(context))
+            from mtpflow.model import model_max_context
+
+            self.own = Int8ModelDraft(_int8_model(context), max_context=model_max_context(context.model))
         elif self.quantize or self.backend_layers:
             self.draft = None  # the target's own layers through the backend's self-draft
         elif self.model_name:
@@ -343,13 +346,7 @@ def _float_native(context) -> bool:
     """Whether the run's target is a float model on the native CPU backend (not the int8 model itself, whose own
     greedy is no cheaper draft), which is what ``kv: own`` drafts for."""
     backend = getattr(context, "backend", None)
-    model_cfg = (getattr(context, "config", None) or {}).get("model", {}) or {}
-    return (backend is not None and backend.name == "native_cpu" and model_cfg.get("quantize") != "int8"
-            and not getattr(backend, "drafts_layers", False))
-
-
-def _max_context(context) -> int:
-    return int(getattr(context.model.config, "max_position_embeddings", 0) or 2048)
+    return backend is not None and backend.name == "native_cpu" and not backend.drafts_layers
 
 
 def _int8_model(context):

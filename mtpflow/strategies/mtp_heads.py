@@ -19,7 +19,8 @@ from mtpflow.strategies.head_drafting import DraftVocabulary, EagleDraft, Medusa
 from mtpflow.strategies.head_modules import (
     CONFIG_NAME, KINDS, check_matches, head_rows, load_heads, normalized_entropy,
 )
-from mtpflow.strategies.pld import longest_ngram_match, lookup_acceptance
+from mtpflow.kernels import ngram_match
+from mtpflow.strategies.pld import lookup_acceptance
 from mtpflow.types import DecodeState, Draft, StepRecord
 
 PRECISIONS = ("auto", "float32", "int8")
@@ -250,7 +251,7 @@ class MTPHeadsProposer:
         self._lookup_n = None
         if self.lookup is not None:
             lo, hi, longest = self.lookup
-            n, follow = longest_ngram_match(state.proposer_context(), lo, hi, min(longest, k))
+            n, follow = ngram_match(state.proposer_context(), lo, hi, min(longest, k))
             if n is not None:
                 self._lookup_n = n
                 merged.add_chain(follow.tolist(), min(self.lookup_acceptance[n].value, 0.99), "lookup")

@@ -28,13 +28,6 @@ def lookup_acceptance(min_ngram: int, max_ngram: int, memory: float) -> dict[int
     return {n: DecayedAcceptance(LOOKUP_PRIOR, memory) for n in range(min_ngram, max_ngram + 1)}
 
 
-def longest_ngram_match(context: torch.Tensor, min_ngram: int, max_ngram: int, k: int) -> tuple[int | None, torch.Tensor]:
-    """(n, continuation) for the longest suffix n-gram (max_ngram down to min_ngram) with an earlier match,
-    or (None, empty) when nothing matches: ``find_ngram_continuation`` telling n (the ``mtpflow.kernels`` match
-    reports it)."""
-    return ngram_match(context, min_ngram, max_ngram, k)
-
-
 class PromptLookupProposer:
     """n-gram lookup over prompt + output; a chain of up to K tokens, or nothing when no n-gram matches.
 
@@ -85,7 +78,7 @@ class PromptLookupProposer:
         self.last_match = None
         if self.curve is None:
             return Draft.chain(find_ngram_continuation(context, self.min_ngram, self.max_ngram, k), "prompt_lookup")
-        n, follow = longest_ngram_match(context, self.min_ngram, self.max_ngram, k)
+        n, follow = ngram_match(context, self.min_ngram, self.max_ngram, k)
         if n is None:
             return Draft.empty("prompt_lookup")
         # how many of the matched tokens pay for their verify cost (0: skip this match)

@@ -120,7 +120,7 @@ def main(before: str) -> None:
                 return n, follow
         return None, history.new_zeros(0)
 
-    from mtpflow.strategies.pld import longest_ngram_match
+    from mtpflow.kernels import ngram_match as longest_ngram_match  # what pld.longest_ngram_match called (removed since)
     after = longest_ngram_match(history, 2, 4, 10)
     print(f"{'pld.longest_ngram_match, n = 4..2, 400 tokens, no match':58s} {fastest(lookup_before):10.1f} "
           f"{fastest(lambda: longest_ngram_match(history, 2, 4, 10)):10.1f}  "
