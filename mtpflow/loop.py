@@ -237,6 +237,7 @@ class Sequence:
         # the backend's self-draft over this sequence's own slot (int8_draft), as a call: stages never hold the target
         self._extras["self_draft"] = self._self_draft
         self._extras["slot_cache"] = self._slot_cache
+        self._extras["committed_entries"] = self._committed_entries
         return context.prompt_tokens
 
     def started(self, logits: torch.Tensor, hidden: torch.Tensor | None, reused: int = 0) -> None:
@@ -265,6 +266,15 @@ class Sequence:
         for a draft that runs the target's own first layers over the target's cache (``draft_model`` layers=N)."""
         target = self.target
         return target.cache, target.cache_len, self.state.next_position - target.position_shift
+
+    def _committed_entries(self):
+        """(the target's KV pool, this sequence's slot, its length) where entry i holds the key and value of committed
+        token i at position i (no entry evicted), else None: a draft model of the same architecture may start its own
+        cache from them rather than read the prompt again (``int8_draft``)."""
+        target = self.target
+        if target.position_shift:
+            return None
+        return target.pool, target.kv.slot, target.cache_len
 
     def _self_draft(self, steps: int, layers: int | None = None) -> list[int] | None:
         """``steps`` greedy tokens after this sequence's root from the backend's self-draft, or None where the

@@ -68,11 +68,14 @@ class DraftModelProposer:
 
     def __init__(self, model: str | None = None, layers: int | None = None, dtype: str = "auto",
                  cost_aware: bool = True, probe_every: int = 8, acceptance_prior: float = 0.5,
-                 decay: float = 0.9, costs=None, quantize: str | None = None, kv: str = "target"):
+                 decay: float = 0.9, costs=None, quantize: str | None = None, kv: str = "target",
+                 prompt_kv: str = "target"):
         if quantize not in (None, "int8"):
             raise ConfigError(f"strategy.propose.quantize must be null or int8, got {quantize!r}")
         if kv not in ("target", "own"):
             raise ConfigError(f"strategy.propose.kv must be target or own, got {kv!r}")
+        if prompt_kv not in ("target", "own"):
+            raise ConfigError(f"strategy.propose.prompt_kv must be target or own, got {prompt_kv!r}")
         if quantize and (model is not None or layers is not None):
             raise ConfigError("strategy.propose.quantize drafts with the whole target: leave model and layers null")
         if model is None and layers is None and quantize is None:
@@ -80,6 +83,8 @@ class DraftModelProposer:
                               "quantize=int8")
         self.model_name, self.layers, self.dtype, self.quantize, self.kv = model, layers, dtype, quantize, kv
         self.own: Int8ModelDraft | None = None  # kv=own over a float target: the int8 model on its own cache
+        # kv=own: a request's prompt entries copied from the float target's cache (target) or read by the int8 model
+        self.prompt_kv = prompt_kv
         self.cost_aware = bool(cost_aware)
         self.probe_every = check_k("strategy.propose.probe_every", probe_every)
         self._acceptance = DecayedAcceptance(check_range("strategy.propose.acceptance_prior", acceptance_prior, 0, 1),
@@ -146,10 +151,12 @@ class DraftModelProposer:
 
     @hookimpl
     def run_stats(self):
-        if not self.cost_aware:
-            return None
-        return {"draft_skipped_steps": self.skipped, "draft_acceptance": round(self.acceptance, 4),
-                "draft_forward_ms": None if self.draft_seconds is None else round(1000 * self.draft_seconds, 2)}
+        stats = {} if self.own is None else {"draft_entries_from_target": self.own.seeded}
+        if self.cost_aware:
+            ms = None if self.draft_seconds is None else round(1000 * self.draft_seconds, 2)
+            stats.update({"draft_skipped_steps": self.skipped, "draft_acceptance": round(self.acceptance, 4),
+                          "draft_forward_ms": ms})
+        return stats or None
 
     @property
     def acceptance(self) -> float:
@@ -261,10 +268,10 @@ class DraftModelProposer:
         return _chain(drafted, [])
 
     def _own_draft(self, state: DecodeState, k: int) -> Draft:
-        """``k`` greedy tokens of the int8 model on its own cache (``Int8ModelDraft``); its forwards after the first
-        are timed (the first also catches up on what was committed since the last draft: a prompt's whole length
-        on a request's first draft)."""
-        drafted, seconds = self.own.draft(state.tokens, k)
+        """``k`` greedy tokens of the int8 model on its own cache (``Int8ModelDraft``); its one-row forwards are timed
+        (a first forward that also catches up on what was committed since the last draft is not)."""
+        source = state.extras.get("committed_entries") if self.prompt_kv == "target" else None
+        drafted, seconds = self.own.draft(state.tokens, k, source)
         if seconds is not None:
             self._time_draft(seconds)
         return _chain(drafted, [])
@@ -299,9 +306,10 @@ class Int8ModelDraft:
     the last draft's tokens: an entry depends only on the tokens up to it, so where the target accepted them they
     are the committed tokens' entries already, and each draft's first forward feeds only what follows the longest
     prefix the cache holds (the root last; typically the root alone, or with the one accepted token the last draft
-    forward did not feed): a prefill from there, the head on its last row only. Every later draft token is a
-    one-row forward. Positions are the sequence's own (0 at its first token): a target that evicts entries (a
-    sliding window) does not change what the draft sees."""
+    forward did not feed): a prefill from there, the head on its last row only, or with the root alone a row of the
+    backend's native greedy loop, which drafts every later token one row each. A long catch-up (a request's prompt)
+    is copied from the float target's cache where the loop gives it (``_seed``). Positions are the sequence's own
+    (0 at its first token): a target that evicts entries (a sliding window) does not change what the draft sees."""
 
     def __init__(self, backend, max_context: int):
         from mtpflow.target import Target
@@ -310,11 +318,14 @@ class Int8ModelDraft:
         self.max_context = int(max_context)
         self.ids: list[int] = []  # the token of each cache entry, in position order
         self.committed = 0  # entries known to hold committed tokens (the sequence's length at the last draft)
+        self.seeded = 0  # entries taken from the float target's cache (``_seed``)
 
     @torch.inference_mode()
-    def draft(self, tokens: torch.Tensor, k: int) -> tuple[list[int], float | None]:
+    def draft(self, tokens: torch.Tensor, k: int, committed=None) -> tuple[list[int], float | None]:
         """``k`` greedy tokens after ``tokens`` (the sequence so far, the root last) and the seconds per one-row draft
-        forward (None where only the first, catching-up forward ran); fewer tokens near the model's context."""
+        forward (None where only a first forward over more than the root ran); fewer tokens near the model's context.
+        ``committed``: the loop's ``committed_entries`` call (the float target's cache), from which a long catch-up
+        (a request's prompt) is taken instead of read through the int8 model."""
         t = self.target
         n = int(tokens.numel())
         k = min(int(k), self.max_context - n)
@@ -326,20 +337,46 @@ class Int8ModelDraft:
             if token != self.ids[keep]:
                 break
             keep += 1
+        if committed is not None and n - 1 - keep >= SEED_MIN:
+            keep = self._seed(committed(), tokens, keep, n - 1)
         fed = tokens[keep:n]
         t.cache_len = keep
-        logits, _ = t.prefill(fed, start_position=keep)
-        drafted = [int(logits[-1].argmax())]
-        seconds = None
-        if k > 1:  # the backend's one-row loop: its entries go after the cache's length, which is set below
-            start = time.perf_counter()
-            drafted += t.backend.self_draft(t, drafted[0], n, k - 1)
-            seconds = (time.perf_counter() - start) / (k - 1)
+        start = time.perf_counter()
+        if len(fed) == 1:  # the root alone: every draft token one row of the backend's loop (one native call)
+            drafted = t.backend.self_draft(t, int(fed[0]), keep, k)
+            seconds = (time.perf_counter() - start) / k
+        else:  # the root and what precedes it in one forward, then the loop
+            logits, _ = t.prefill(fed, start_position=keep)
+            drafted, seconds = [int(logits[-1].argmax())], None
+            if k > 1:  # the loop's entries go after the cache's length, which is set below
+                start = time.perf_counter()
+                drafted += t.backend.self_draft(t, drafted[0], n, k - 1)
+                seconds = (time.perf_counter() - start) / (k - 1)
         t.cache_len = n + k - 1
         del self.ids[keep:]
         self.ids += fed.tolist() + drafted[:-1]  # the last draft token was not fed: no entry
         self.committed = n
         return drafted, seconds
+
+    def _seed(self, source, tokens: torch.Tensor, keep: int, end: int) -> int:
+        """Entries ``keep`` .. of this cache from the float target's (``source``: its pool, slot and length, or None),
+        quantized as the int8 model quantizes its own: a request's prompt costs a copy rather than an int8 prefill.
+        The int8 model then drafts over the float32 model's keys and values of those tokens, which it agrees with the
+        float32 greedy after a little more often than over its own (measured: docs/bench/step_dec07.md). Returns the
+        new ``keep``."""
+        if source is None:
+            return keep
+        pool, slot, length = source
+        end = min(end, length)
+        if end - keep < SEED_MIN:
+            return keep
+        self.target.backend.write_entries(self.target.pool, self.target.kv.slot, keep,
+                                          [k[slot, :, keep:end] for k in pool.keys],
+                                          [v[slot, :, keep:end] for v in pool.values])
+        del self.ids[keep:]
+        self.ids += tokens[keep:end].tolist()
+        self.seeded += end - keep
+        return end
 
 
 def _float_native(context) -> bool:
@@ -360,4 +397,7 @@ def _int8_model(context):
     return shared.get(INT8_MODEL_KEY, lambda: int8_draft_backend(context.model))
 
 
+# catch-ups at least this long are copied from the float target's cache (``Int8ModelDraft._seed``); shorter ones (the
+# root and an accepted token or two, every step) go through the int8 model's forward, which reads them in one pass
+SEED_MIN = 8
 INT8_MODEL_KEY = "int8_model:draft"  # made from the model, not learned from requests: ``mtpflow.shared.prepared``

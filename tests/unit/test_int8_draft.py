@@ -12,7 +12,7 @@ from helpers import hf_greedy, make_pipeline, make_tiny_model
 from mtpflow import backends
 from mtpflow.errors import ConfigError, UserError
 from mtpflow.backends.native import kernel, products
-from mtpflow.strategies.draft_model import DraftModelProposer, Int8ModelDraft
+from mtpflow.strategies.draft_model import SEED_MIN, DraftModelProposer, Int8ModelDraft
 from mtpflow.target import Target
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="the native CPU kernels could not be built")
@@ -67,15 +67,70 @@ def test_int8_rows_compute_the_dequantized_model_on_the_float_cache(tiny):
     assert spec.int8_bytes == layers * (per_layer + 4 * (qkv + hidden + 2 * inter + hidden))  # + float scales
 
 
-@pytest.mark.parametrize("kv,named", [("target", "target int8"), ("own", "int8 model, own cache")])
-def test_int8_draft_is_lossless_and_drafts(tiny, kv, named):
+@pytest.mark.parametrize("kv,prompt_kv,named", [("target", "target", "target int8"),
+                                                ("own", "target", "int8 model, own cache"),
+                                                ("own", "own", "int8 model, own cache")])
+def test_int8_draft_is_lossless_and_drafts(tiny, kv, prompt_kv, named):
+    """Lossless whichever cache drafts; with ``kv: own`` and ``prompt_kv: target`` a prompt of at least SEED_MIN
+    tokens starts the draft's cache from the float target's entries, a shorter one is read by the int8 model."""
     pipe = native_pipeline(tiny, "int8_draft", "max_new_tokens=40", "strategy.propose.cost_aware=false",
-                           f"strategy.propose.kv={kv}")
+                           f"strategy.propose.kv={kv}", f"strategy.propose.prompt_kv={prompt_kv}")
     for prompt in PROMPTS:
         result = pipe(prompt_ids=prompt)
         assert result.token_ids == hf_greedy(pipe.loaded.model, prompt, 40)
         assert result.stats["draft_tokens"] > 0 and result.stats["accepted_tokens"] > 0
         assert result.stats["draft_model"] == named
+        # the first draft's sequence is the prompt and the first token (its root): the prompt's entries are copied
+        seeded = len(prompt) if (kv, prompt_kv) == ("own", "target") and len(prompt) >= SEED_MIN else 0
+        assert result.stats.get("draft_entries_from_target", 0) == seeded
+
+
+def test_the_prompt_entries_come_from_the_float_cache_quantized(tiny):
+    """``prompt_kv: target``: the draft cache's entries of the prompt are the float target's keys and values, each
+    quantized as the int8 kernel stores its own (int8 values, then the float32 scale); the root is fed through the
+    int8 model, and the next draft keeps those entries (only what was committed since is fed)."""
+    from mtpflow.backends.native.int8_reference import quantize_rows
+
+    model = make_tiny_model(len(tiny.tokenizer), seed=0)
+    draft = Int8ModelDraft(backends.create(model, "native_cpu", int8=backends.quantize_int8(model)), max_context=64)
+    float_backend = backends.create(make_tiny_model(len(tiny.tokenizer), seed=0), "native_cpu")
+    prompt = torch.tensor(PROMPTS[2])
+    target = Target(float_backend)
+    target.prefill(prompt[:-1])
+    source = (target.pool, target.kv.slot, target.cache_len)
+    drafted, _ = draft.draft(prompt, 4, lambda: source)
+    n = len(prompt) - 1
+    assert draft.seeded == n and len(drafted) == 4 and draft.ids[:len(prompt)] == prompt.tolist()
+    d = draft.target.pool.head_dim
+    for layer in range(len(target.pool.keys)):
+        for float_side, int8_side in ((target.pool.keys, draft.target.pool.keys),
+                                      (target.pool.values, draft.target.pool.values)):
+            x = float_side[layer][target.kv.slot, :, :n].float()
+            got = int8_side[layer][draft.target.kv.slot, :, :n]
+            q, scale = quantize_rows(x)
+            assert torch.equal(got[..., :d], q.to(torch.int8))
+            assert torch.equal(got[..., d:].contiguous().view(torch.float32)[..., 0], scale)
+            assert (got[..., :d].float() * scale[..., None] - x).abs().max() <= scale.max() / 2 + 1e-6
+    longer = torch.cat([prompt, torch.tensor(drafted[:2])])  # two draft tokens accepted: no copy, nothing re-read
+    draft.draft(longer, 3, lambda: (target.pool, target.kv.slot, len(longer) - 1))
+    assert draft.seeded == n and draft.ids[:len(longer)] == longer.tolist()
+
+
+def test_a_short_or_missing_source_is_read_by_the_int8_model(tiny):
+    """No float entries (a target that evicted some: ``committed_entries`` gives None) or fewer than SEED_MIN: the
+    draft reads the tokens itself, and drafts what the int8 model's reference decodes."""
+    model = make_tiny_model(len(tiny.tokenizer), seed=0)
+    weights = backends.quantize_int8(model)
+    want = backends.int8_reference(weights).greedy(torch.tensor(PROMPTS[2]), 4)
+    float_backend = backends.create(make_tiny_model(len(tiny.tokenizer), seed=0), "native_cpu")
+    for source in (lambda: None, "short"):
+        draft = Int8ModelDraft(backends.create(model, "native_cpu", int8=weights), max_context=64)
+        prompt = torch.tensor(PROMPTS[2])
+        if source == "short":
+            target = Target(float_backend)
+            target.prefill(prompt[:SEED_MIN - 1])
+            source = (lambda t: lambda: (t.pool, t.kv.slot, t.cache_len))(target)
+        assert draft.draft(prompt, 4, source)[0] == want and draft.seeded == 0
 
 
 def test_own_cache_draft_in_an_engine_batch(tiny):
@@ -106,7 +161,8 @@ def test_own_cache_draft_is_the_int8_models_greedy(tiny):
     assert draft.draft(longer, 6)[0] == want[4:10]
     # the entries of the accepted draft tokens were kept: the cache holds the sequence and the fed draft tokens
     assert draft.target.cache_len == len(draft.ids) == len(longer) + 5 and draft.ids[len(prompt):] == want[:9]
-    assert draft.draft(longer, 1) == ([want[4]], None)
+    drafted, seconds = draft.draft(longer, 1)  # the root alone: one row of the backend's loop, timed
+    assert drafted == [want[4]] and seconds > 0
     assert len(draft.draft(torch.cat([longer, torch.zeros(64 - 16, dtype=torch.long)]), 8)[0]) == 2
 
 
@@ -164,6 +220,8 @@ def test_int8_draft_errors():
         DraftModelProposer(quantize="int4")
     with pytest.raises(ConfigError, match="kv must be target or own"):
         DraftModelProposer(quantize="int8", kv="mine")
+    with pytest.raises(ConfigError, match="prompt_kv must be target or own"):
+        DraftModelProposer(quantize="int8", kv="own", prompt_kv="mine")
     with pytest.raises(ConfigError, match="leave model and layers null"):
         DraftModelProposer(quantize="int8", layers=2)
     with pytest.raises(ConfigError, match="quantize=int8"):

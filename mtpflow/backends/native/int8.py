@@ -25,7 +25,8 @@ from mtpflow.backends.base import Backend
 from mtpflow.backends.native import kernel, openmp
 from mtpflow.backends.native.head_products import HeadProduct
 from mtpflow.backends.native.memory import huge_page_bytes
-from mtpflow.backends.native.int8_reference import Int8Linear, Int8Weights, quantize_model as int8_model, softcap
+from mtpflow.backends.native.int8_reference import (Int8Linear, Int8Weights, quantize_model as int8_model,
+                                                  quantize_rows, softcap)
 from mtpflow.backends.native.rows import (VerifyRows, call_members, one_row, optional, prefill_through,
                                           tap_outputs, verify_through)
 from mtpflow.backends.native.threads import GOVERNOR
@@ -141,29 +142,35 @@ class NativeInt8Backend(Backend):
         kernel's ENTRY_BYTES)."""
         return KVPool(self.model, max_slots, entry_dtype=torch.int8, entry_width=self.w.head_dim + 4)
 
+    @torch.inference_mode()
+    def write_entries(self, pool, slot: int, start: int, keys, values) -> None:
+        """Float keys and values of the same model (per layer [key / value heads, n, head_dim], the keys rotated:
+        another backend's cache of these tokens) into ``pool``'s ``slot`` at entries ``start`` .. ``start + n - 1``,
+        each quantized as the kernel quantizes its own (``int8_reference.quantize_rows``: int8 values, then the float32
+        scale). All layers go through one quantization."""
+        n = int(keys[0].shape[-2])
+        pool.ensure(start + n)
+        both = torch.stack([torch.stack(keys), torch.stack(values)]).float()  # [2, layers, heads, n, d]
+        q, scale = quantize_rows(both)
+        entries = torch.cat([q.to(torch.int8), scale[..., None].contiguous().view(torch.int8)], -1)
+        for layer in range(len(keys)):
+            pool.keys[layer][slot, :, start:start + n] = entries[0, layer]
+            pool.values[layer][slot, :, start:start + n] = entries[1, layer]
+
     # ----- the kernel ---------------------------------------------------------------------------------------
     def run(self, pool, rows: VerifyRows, taps=(), head_from: int | None = 0, layers: int | None = None):
         """``mtpflow_w8a8_rows`` over ``rows`` (``verify_rows``, ``prefill_rows``), the int8 LM head in the same call.
         Returns (the logits [rows - head_from, vocab] of rows ``head_from`` on, soft-capped where the model caps them,
         None where ``head_from`` is None; the taps [rows, H * len(taps)] or None: layer outputs, -1 the final-normed
         state). ``layers``: the first ``layers`` layers only, then the final norm and the head."""
-        if pool.entry_dtype != torch.int8 or pool.entry_width != self.w.head_dim + 4:
-            raise ValueError("the int8 model's forwards take its own KV pool (NativeInt8Backend.make_pool)")
-        pool.ensure(max(w + 1 for w in rows.wpos))
-        keys, values = self.kv(pool)
         h = self.w.embedding(rows.ids).contiguous()
         normed = torch.empty_like(h)
         members, tapped, held = call_members(rows, self.w.rope, self._rope_keys, taps, h)
         m = members["M"]
-        head = self.w.head
-        logits = None if head_from is None else torch.empty(m - head_from, head.n)
+        logits = None if head_from is None else torch.empty(m - head_from, self.w.head.n)
         threads, start = GOVERNOR.threads(forward=self.governed), time.perf_counter()
-        code = kernel.w8a8_rows(
-            self.lib, h=h.data_ptr(), normed=normed.data_ptr(), **members, **{**self._dims, "L": layers or self._dims["L"]},
-            **self._arrays, norm_w=self.w.norm.data_ptr(), window=None if self._window is None else self._window.data_ptr(),
-            kc=keys, vc=values, cap=pool.capacity, threads=threads, head_q=head.q.data_ptr(),
-            head_s=head.scale.data_ptr(), head_z=head.wsum.data_ptr(), vocab=head.n, head_from=head_from or 0,
-            logits=None if logits is None else logits.data_ptr())
+        code = kernel.w8a8_rows(self.lib, **self._members(pool, rows, members, h, normed, logits, head_from, layers,
+                                                          threads))
         if self.governed:
             GOVERNOR.observe(self, m, time.perf_counter() - start, threads, kind=layers)
         if code != 0:
@@ -172,6 +179,53 @@ class NativeInt8Backend(Backend):
         if logits is not None:
             logits = softcap(logits, self.w.logit_softcap)
         return logits, tap_outputs(tapped, normed, taps)
+
+    def _members(self, pool, rows: VerifyRows, members: dict, h, normed, logits, head_from, layers, threads) -> dict:
+        """``W8A8Args``' members for ``rows`` over ``pool`` (grown to hold their entries): ``call_members``' and the
+        model's, the buffers h, normed and logits (None: no head)."""
+        if pool.entry_dtype != torch.int8 or pool.entry_width != self.w.head_dim + 4:
+            raise ValueError("the int8 model's forwards take its own KV pool (NativeInt8Backend.make_pool)")
+        pool.ensure(max(w + 1 for w in rows.wpos))
+        keys, values = self.kv(pool)
+        head = self.w.head
+        return dict(h=h.data_ptr(), normed=normed.data_ptr(), **members,
+                    **{**self._dims, "L": layers or self._dims["L"]}, **self._arrays, norm_w=self.w.norm.data_ptr(),
+                    window=None if self._window is None else self._window.data_ptr(), kc=keys, vc=values,
+                    cap=pool.capacity, threads=threads, head_q=head.q.data_ptr(), head_s=head.scale.data_ptr(),
+                    head_z=head.wsum.data_ptr(), vocab=head.n, head_from=head_from or 0,
+                    logits=None if logits is None else logits.data_ptr())
+
+    def greedy(self, target, root: int, position: int, steps: int, layers: int | None = None) -> list[int]:
+        """``self_draft``'s tokens in one native call (``mtpflow_w8a8_greedy``: the steps' one-row forwards, each
+        token's embedding and argmax in C). Where the model soft-caps its logits, one ``run`` per token (tanh's
+        rounding can tie what the raw logits order, and torch's argmax then takes the first)."""
+        length = target.cache_len
+        if self.w.logit_softcap:
+            token, drafted = root, []
+            for i in range(steps):
+                logits, _ = self.run(target.pool, one_row(token, position + i, target.kv.slot, length + i),
+                                     layers=layers)
+                token = int(logits[0].argmax())
+                drafted.append(token)
+            return drafted
+        slot = target.kv.slot
+        rows = VerifyRows(torch.zeros(steps, dtype=torch.long), torch.arange(position, position + steps),
+                          torch.ones(steps, 1, dtype=torch.uint8), [slot] * steps, list(range(length, length + steps)),
+                          list(range(length, length + steps)), [0] * steps, [1] * steps, [0], [1])
+        h, normed, logits = torch.empty(1, self.w.hidden), torch.empty(1, self.w.hidden), torch.empty(1, self.w.head.n)
+        members, _, held = call_members(rows, self.w.rope, self._rope_keys, (), h)
+        out = torch.empty(steps, dtype=torch.int32)
+        threads, start = GOVERNOR.threads(forward=self.governed), time.perf_counter()
+        embed = self.w.embed
+        code = kernel.w8a8_greedy(self.lib, steps, int(root), out.data_ptr(),
+                                  None if embed is None else embed.data_ptr(), float(self.w.embed_scale or 0.0),
+                                  **self._members(target.pool, rows, members, h, normed, logits, 0, layers, threads))
+        if self.governed:
+            GOVERNOR.observe(self, 1, (time.perf_counter() - start) / steps, threads, kind=layers)
+        del held
+        if code != 0:
+            raise MemoryError("mtpflow_w8a8_greedy: out of memory")
+        return out.tolist()
 
     # ----- the interface ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -191,12 +245,7 @@ class NativeInt8Backend(Backend):
         the head: ``draft_model``'s layer-skip draft), one row per token over the target's slot (the entries go
         after the committed ones, where the next verify overwrites them). Over all layers there is no cheaper copy:
         the draft is the target's own greedy, always accepted, at one forward per token."""
-        length, token, drafted = target.cache_len, root, []
-        for i in range(steps):
-            logits, _ = self.run(target.pool, one_row(token, position + i, target.kv.slot, length + i), layers=layers)
-            token = int(logits[0].argmax())
-            drafted.append(token)
-        return drafted
+        return self.greedy(target, root, position, steps, layers) if steps > 0 else []
 
     def kernel_identity(self) -> str:
         return f"w8a8 {kernel.q8_isa(self.lib)} kernel:{kernel.source_hash()[:10]}"

@@ -213,6 +213,13 @@ class W8A8Args(ctypes.Structure):
                         (INT, "vocab", "head_from"), (PTR, "logits"))
 
 
+class W8A8GreedyArgs(ctypes.Structure):
+    """``struct mtpflow_w8a8_greedy_args`` of rows_int8.c (the int8 model's greedy loop over ``W8A8Args`` rows, one per
+    step), member for member: its one mirror."""
+    _fields_ = _members((INT, "version", "size"), (PTR, "rows"), (INT, "steps", "token"), (PTR, "out", "embed"),
+                        (FLOAT, "embed_scale"))
+
+
 class LogitStatsArgs(ctypes.Structure):
     """``struct mtpflow_logit_stats_args`` of logit_stats.c (each verify row's argmax, log-normalizer and top ids),
     member for member: its one mirror."""
@@ -226,6 +233,7 @@ class LogitStatsArgs(ctypes.Structure):
 ENTRY_POINTS = {"linear": ("mtpflow_linear", LinearArgs, 1),
                 "rows": ("mtpflow_llama_rows", RowsArgs, 2),
                 "w8a8": ("mtpflow_w8a8_rows", W8A8Args, 2),
+                "w8a8_greedy": ("mtpflow_w8a8_greedy", W8A8GreedyArgs, 1),
                 "logit_stats": ("mtpflow_logit_stats", LogitStatsArgs, 1)}
 
 
@@ -247,6 +255,18 @@ def llama_rows(lib: ctypes.CDLL, **members) -> int:
 def w8a8_rows(lib: ctypes.CDLL, **members) -> int:
     """``mtpflow_w8a8_rows`` over ``W8A8Args`` members by name (``call``)."""
     return call(lib, "w8a8", **members)
+
+
+def w8a8_greedy(lib: ctypes.CDLL, steps: int, token: int, out: int, embed: int | None, embed_scale: float,
+                **rows) -> int:
+    """``mtpflow_w8a8_greedy``: ``steps`` greedy tokens of the int8 model after ``token`` into ``out`` (an int32
+    buffer's address), over ``W8A8Args`` rows by name (one per step)."""
+    function, struct, abi = ENTRY_POINTS["w8a8_greedy"]
+    members = W8A8Args(version=ENTRY_POINTS["w8a8"][2], size=ctypes.sizeof(W8A8Args),
+                       **{k: ctypes.addressof(v) if isinstance(v, ctypes.Array) else v for k, v in rows.items()})
+    args = struct(version=abi, size=ctypes.sizeof(struct), rows=ctypes.addressof(members), steps=steps, token=token,
+                  out=out, embed=embed, embed_scale=embed_scale)
+    return getattr(lib, function)(ctypes.byref(args))
 
 
 TOP_IDS_MAX = 16  # the most top ids logit_stats gives a row (TOP_MAX in logit_stats.c)

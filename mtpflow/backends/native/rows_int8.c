@@ -688,3 +688,70 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     free(att_buf);
     return 0;
 }
+
+
+/* The int8 model's own greedy continuation, one row per token, in one call (a self-draft's loop: the Python around
+ * each one-row call cost about a tenth of the row; measured: docs/bench/step_dec07b.md). rows: the call's rows as
+ * mtpflow_w8a8_rows takes them, one per step (M = steps; row i: the ints, tree mask and rotary tables of step i,
+ * first[i] = 0 and count[i] = 1: each step is a call of its own row), h [1][H] and normed [1][H] scratch, logits [1]
+ * [vocab]; the head on that row (head_from 0). Step i feeds its token (token, then the argmax of step i - 1: the
+ * first index of the largest logit, as torch.argmax takes it where no logit is NaN), embedded as Int8Weights.embedding
+ * does: the float table's row (embed) or the int8 head's row times its scale (embed NULL), times embed_scale where it
+ * is not 0, each a float multiply in that order. out[i]: step i's argmax. Returns 0, -1 out of memory,
+ * MTPFLOW_ROWS_BAD_ABI for another struct. The model's logits must not be soft-capped (the caller's rule: tanh's
+ * rounding can tie what the raw logits order). */
+#define MTPFLOW_W8A8_GREEDY_ABI 1
+
+struct mtpflow_w8a8_greedy_args {
+    int version, size;
+    const struct mtpflow_w8a8_args *rows;
+    int steps, token;
+    int *out;
+    const float *embed;
+    float embed_scale;
+};
+
+int mtpflow_w8a8_greedy_abi(void) { return MTPFLOW_W8A8_GREEDY_ABI; }
+
+int mtpflow_w8a8_greedy_args_size(void) { return (int)sizeof(struct mtpflow_w8a8_greedy_args); }
+
+/* row `token` of the int8 head packed as pack_q8 lays it out ([panels][kp / 4][Q8_PANEL][4]) times its scale */
+static void head_row(const struct mtpflow_w8a8_args *a, int token, float *out) {
+    const signed char *panel = a->head_q + (size_t)(token / Q8_PANEL) * a->kp_h * Q8_PANEL;
+    const int j = token % Q8_PANEL;
+    const float s = a->head_s[token];
+    for (int k = 0; k < a->H; k++) out[k] = (float)panel[((size_t)(k / 4) * Q8_PANEL + j) * 4 + k % 4] * s;
+}
+
+int mtpflow_w8a8_greedy(const struct mtpflow_w8a8_greedy_args *g) {
+    if (g->version != MTPFLOW_W8A8_GREEDY_ABI || g->size != (int)sizeof(struct mtpflow_w8a8_greedy_args))
+        return MTPFLOW_ROWS_BAD_ABI;
+    const struct mtpflow_w8a8_args *a = g->rows;
+    struct mtpflow_w8a8_args r = *a;
+    r.M = 1;
+    r.head_from = 0;
+    const float **tables = malloc(2 * (size_t)a->L * sizeof *tables);
+    if (!tables) return -1;
+    r.cos = a->cos ? tables : NULL;
+    r.sin = a->sin ? tables + a->L : NULL;
+    int token = g->token;
+    for (int i = 0; i < g->steps; i++) {
+        if (g->embed) for (int k = 0; k < a->H; k++) r.h[k] = g->embed[(size_t)token * a->H + k];
+        else head_row(a, token, r.h);
+        if (g->embed_scale != 0.0f) for (int k = 0; k < a->H; k++) r.h[k] = r.h[k] * g->embed_scale;
+        r.slot = a->slot + i, r.wpos = a->wpos + i, r.prefix = a->prefix + i, r.first = a->first + i;
+        r.count = a->count + i, r.pos = a->pos + i, r.allowed = a->allowed + (size_t)i * a->qmax;
+        for (int l = 0; l < a->L; l++) {
+            if (a->cos) tables[l] = a->cos[l] ? a->cos[l] + (size_t)i * a->rot : NULL;
+            if (a->sin) tables[a->L + l] = a->sin[l] ? a->sin[l] + (size_t)i * a->rot : NULL;
+        }
+        const int code = mtpflow_w8a8_rows(&r);
+        if (code != 0) { free(tables); return code; }
+        int best = 0;
+        for (int v = 1; v < a->vocab; v++)
+            if (r.logits[v] > r.logits[best]) best = v;
+        g->out[i] = token = best;
+    }
+    free(tables);
+    return 0;
+}

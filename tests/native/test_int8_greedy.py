@@ -1,0 +1,46 @@
+"""The int8 model's native greedy loop (``NativeInt8Backend.greedy``, ``mtpflow_w8a8_greedy``): the tokens a self-draft
+drafts in one native call are the int8 reference's greedy continuation and those of one ``run`` per token, for every
+family the native description knows (an untied float embedding table, a tied int8 head times an embedding scale,
+sliding windows, partial and per-layer rotary tables; Gemma 2's soft-capped logits take the per-token path), over all
+layers and the first few."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from families import FAMILIES, make_family_model
+from mtpflow import backends
+from mtpflow.backends.native import kernel
+from mtpflow.backends.native.rows import one_row
+from mtpflow.target import Target
+
+pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the native kernel")
+
+STEPS = 10
+
+
+def run_per_token(backend, target, root: int, position: int, steps: int, layers=None) -> list[int]:
+    length, token, out = target.cache_len, root, []
+    for i in range(steps):
+        logits, _ = backend.run(target.pool, one_row(token, position + i, target.kv.slot, length + i), layers=layers)
+        token = int(logits[0].argmax())
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_native_greedy_loop_is_the_int8_models_greedy(family):
+    model = make_family_model(family, 96)
+    weights = backends.quantize_int8(model)
+    backend = backends.create(model, "native_cpu", int8=weights)
+    prompt = torch.tensor([5, 17, 23, 8, 42, 11, 9, 33, 61, 2, 70, 14, 88, 3, 19, 40])  # past the window (12)
+    want = backends.int8_reference(weights).greedy(prompt, STEPS)
+    target = Target(backend)
+    target.prefill(prompt[:-1])
+    n = len(prompt) - 1
+    assert backend.self_draft(target, int(prompt[-1]), n, STEPS) == want
+    assert target.cache_len == n  # the loop's entries lie past the cache's length, which it leaves as it was
+    assert run_per_token(backend, target, int(prompt[-1]), n, STEPS) == want
+    got = backend.self_draft(target, int(prompt[-1]), n, STEPS, layers=2)
+    assert got == run_per_token(backend, target, int(prompt[-1]), n, STEPS, layers=2)
+    assert backend.self_draft(target, int(prompt[-1]), n, 0) == []
