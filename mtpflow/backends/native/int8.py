@@ -147,15 +147,14 @@ class NativeInt8Backend(Backend):
         """Float keys and values of the same model (per layer [key / value heads, n, head_dim], the keys rotated:
         another backend's cache of these tokens) into ``pool``'s ``slot`` at entries ``start`` .. ``start + n - 1``,
         each quantized as the kernel quantizes its own (``int8_reference.quantize_rows``: int8 values, then the float32
-        scale). All layers go through one quantization."""
+        scale). A layer's keys and values go through one quantization (its float copies are the only scratch)."""
         n = int(keys[0].shape[-2])
         pool.ensure(start + n)
-        both = torch.stack([torch.stack(keys), torch.stack(values)]).float()  # [2, layers, heads, n, d]
-        q, scale = quantize_rows(both)
-        entries = torch.cat([q.to(torch.int8), scale[..., None].contiguous().view(torch.int8)], -1)
-        for layer in range(len(keys)):
-            pool.keys[layer][slot, :, start:start + n] = entries[0, layer]
-            pool.values[layer][slot, :, start:start + n] = entries[1, layer]
+        for layer, (k, v) in enumerate(zip(keys, values)):
+            q, scale = quantize_rows(torch.stack([k, v]).float())  # [2, heads, n, d]
+            entries = torch.cat([q.to(torch.int8), scale[..., None].contiguous().view(torch.int8)], -1)
+            pool.keys[layer][slot, :, start:start + n] = entries[0]
+            pool.values[layer][slot, :, start:start + n] = entries[1]
 
     # ----- the kernel ---------------------------------------------------------------------------------------
     def run(self, pool, rows: VerifyRows, taps=(), head_from: int | None = 0, layers: int | None = None):
