@@ -11,21 +11,11 @@ import torch
 from families import FAMILIES, make_family_model
 from mtpflow import backends
 from mtpflow.backends.native import kernel
-from mtpflow.backends.native.rows import one_row
 from mtpflow.target import Target
 
 pytestmark = pytest.mark.skipif(not kernel.available(), reason="no C compiler to build the native kernel")
 
 STEPS = 10
-
-
-def run_per_token(backend, target, root: int, position: int, steps: int, layers=None) -> list[int]:
-    length, token, out = target.cache_len, root, []
-    for i in range(steps):
-        logits, _ = backend.run(target.pool, one_row(token, position + i, target.kv.slot, length + i), layers=layers)
-        token = int(logits[0].argmax())
-        out.append(token)
-    return out
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -40,7 +30,7 @@ def test_the_native_greedy_loop_is_the_int8_models_greedy(family):
     n = len(prompt) - 1
     assert backend.self_draft(target, int(prompt[-1]), n, STEPS) == want
     assert target.cache_len == n  # the loop's entries lie past the cache's length, which it leaves as it was
-    assert run_per_token(backend, target, int(prompt[-1]), n, STEPS) == want
+    assert backend.greedy_per_token(target, int(prompt[-1]), n, STEPS) == want
     got = backend.self_draft(target, int(prompt[-1]), n, STEPS, layers=2)
-    assert got == run_per_token(backend, target, int(prompt[-1]), n, STEPS, layers=2)
+    assert got == backend.greedy_per_token(target, int(prompt[-1]), n, STEPS, layers=2)
     assert backend.self_draft(target, int(prompt[-1]), n, 0) == []

@@ -7,7 +7,6 @@ bench's sixth prompt: the same 40 tokens over all layers and over the first 12 (
 """
 import time, torch, mtpflow, json
 from mtpflow.backends import int8_draft_backend
-from mtpflow.backends.native.rows import one_row
 from mtpflow.strategies.draft_model import Int8ModelDraft
 pipe = mtpflow.pipeline("baseline", overrides=["max_new_tokens=8", "trace=off"])
 be = int8_draft_backend(pipe.loaded.model)
@@ -16,12 +15,8 @@ prompt = [json.loads(l)["prompt"] for l in open("mtpflow/data/bench_prompts.json
 ids = pipe.encode(prompt)
 d.draft(ids, 2)
 t = d.target
-def pyloop(root, position, steps, layers=None):
-    length, token, out = t.cache_len, root, []
-    for i in range(steps):
-        logits, _ = be.run(t.pool, one_row(token, position + i, t.kv.slot, length + i), layers=layers)
-        token = int(logits[0].argmax()); out.append(token)
-    return out
+def pyloop(root, position, steps, layers=None):  # one run and one torch argmax per token
+    return be.greedy_per_token(t, root, position, steps, layers)
 for layers in (None, 12):
     t.cache_len = len(ids)
     a = pyloop(int(ids[-1]), len(ids), 40, layers)

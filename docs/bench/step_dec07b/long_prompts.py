@@ -19,6 +19,7 @@ for strat in sys.argv[4:]:
             fw += s.forward_seconds
             for k, v in s.stage_seconds.items(): st[k] += v
         ns = len(r.steps)
-        print(f"{strat:10s} prompt {len(pipe.encode(q['turns'][0]))} tok, wall {wall:.2f}s prefill {r.stats['prefill_seconds']:.2f}s, "
-              f"{len(r.token_ids)} tokens in {ns} steps, verify fwd {1000*fw/ns:.1f} ms, propose {1000*st['propose']/ns:.1f} ms, "
-              f"step {1000*(wall - r.stats['prefill_seconds'])/ns:.1f} ms")
+        prefill = r.stats["prefill_seconds"]
+        print(f"{strat:10s} prompt {len(pipe.encode(q['turns'][0]))} tok, wall {wall:.2f}s prefill {prefill:.2f}s, "
+              f"{len(r.token_ids)} tokens in {ns} steps, verify fwd {1000*fw/ns:.1f} ms, "
+              f"propose {1000*st['propose']/ns:.1f} ms, step {1000*(wall - prefill)/ns:.1f} ms")

@@ -198,16 +198,9 @@ class NativeInt8Backend(Backend):
         """``self_draft``'s tokens in one native call (``mtpflow_w8a8_greedy``: the steps' one-row forwards, each
         token's embedding and argmax in C). Where the model soft-caps its logits, one ``run`` per token (tanh's
         rounding can tie what the raw logits order, and torch's argmax then takes the first)."""
-        length = target.cache_len
         if self.w.logit_softcap:
-            token, drafted = root, []
-            for i in range(steps):
-                logits, _ = self.run(target.pool, one_row(token, position + i, target.kv.slot, length + i),
-                                     layers=layers)
-                token = int(logits[0].argmax())
-                drafted.append(token)
-            return drafted
-        slot = target.kv.slot
+            return self.greedy_per_token(target, root, position, steps, layers)
+        length, slot = target.cache_len, target.kv.slot
         rows = VerifyRows(torch.zeros(steps, dtype=torch.long), torch.arange(position, position + steps),
                           torch.ones(steps, 1, dtype=torch.uint8), [slot] * steps, list(range(length, length + steps)),
                           list(range(length, length + steps)), [0] * steps, [1] * steps, [0], [1])
@@ -225,6 +218,16 @@ class NativeInt8Backend(Backend):
         if code != 0:
             raise MemoryError("mtpflow_w8a8_greedy: out of memory")
         return out.tolist()
+
+    def greedy_per_token(self, target, root: int, position: int, steps: int, layers: int | None = None) -> list[int]:
+        """``greedy``'s tokens through one ``run`` and one torch argmax per token (soft-capped logits; the reference
+        the native loop is tested and timed against)."""
+        length, token, drafted = target.cache_len, root, []
+        for i in range(steps):
+            logits, _ = self.run(target.pool, one_row(token, position + i, target.kv.slot, length + i), layers=layers)
+            token = int(logits[0].argmax())
+            drafted.append(token)
+        return drafted
 
     # ----- the interface ------------------------------------------------------------------------------------
     @torch.inference_mode()
