@@ -337,7 +337,7 @@ class Int8ModelDraft:
             if token != self.ids[keep]:
                 break
             keep += 1
-        if committed is not None and n - 1 - keep >= SEED_MIN:
+        if committed is not None:
             keep = self._seed(committed(), tokens, keep, n - 1)
         fed = tokens[keep:n]
         t.cache_len = keep

@@ -1,8 +1,8 @@
 """Would the int8 draft gain from starting its cache from the float32 target's entries? For the bench's first N
 prompts: the float32 greedy answer; then, at every answer position, the int8 model's next token after one forward
 over a cache holding (a) the float32 model's own keys and values of every earlier token, quantized into the int8
-cache's entries (per entry: int8 values, scale max|x| / 127, rounded half to even), or (b) its own entries (the
-int8 model's prefill of the same tokens). Prints the share of positions where each picks the float32 token.
+cache's entries (``NativeInt8Backend.write_entries``: per entry int8 values, scale max|x| / 127, rounded half to
+even), or (b) its own entries (the int8 model's prefill of the same tokens). Prints the share of positions where each picks the float32 token.
 
     python docs/bench/step_dec07/agree_float_cache.py [N]
 """
@@ -15,14 +15,6 @@ import mtpflow
 from mtpflow.backends.native import int8
 from mtpflow.backends.native.rows import one_row
 from mtpflow.target import Target
-
-
-def entries(x: torch.Tensor) -> torch.Tensor:
-    """float keys or values [heads, tokens, d] -> the int8 pool's entries [heads, tokens, d + 4]"""
-    amax = x.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
-    q = torch.round(x / scale).clamp(-127, 127).to(torch.int8)
-    return torch.cat([q, scale.contiguous().view(torch.int8)], -1)
 
 
 @torch.inference_mode()
@@ -38,9 +30,9 @@ def main(n: int) -> None:
         target.prefill(seq[:-1])
         mixed = Target(draft, pool=draft.make_pool(1))
         mixed.pool.ensure(len(seq) + 1)
-        for layer in range(len(target.pool.keys)):
-            for src, dst in ((target.pool.keys, mixed.pool.keys), (target.pool.values, mixed.pool.values)):
-                dst[layer][0, :, :len(seq) - 1] = entries(src[layer][target.kv.slot, :, :len(seq) - 1].float())
+        n0 = len(seq) - 1  # the float entries quantized as the int8 draft copies a prompt (``write_entries``)
+        draft.write_entries(mixed.pool, mixed.kv.slot, 0, [k[target.kv.slot, :, :n0] for k in target.pool.keys],
+                            [v[target.kv.slot, :, :n0] for v in target.pool.values])
         own = Target(draft, pool=draft.make_pool(1))
         own.prefill(seq[:-1])
         for j in range(len(ids) - 1, len(seq) - 1):  # token j fed, positions before it cached; seq[j + 1] wanted
