@@ -162,6 +162,9 @@ ROWS_CASES = (
     RowsCase(2, 48, 6, 2, 8, 37, ((5, "chain", 4), (37, "tree", 6))),  # GQA, head_dim 8, I past the vectors
     RowsCase(3, 64, 4, 1, 16, 64, ((3, "chain", 1), (20, "tree", 9), (0, "chain", 3))),  # one kv head, 3 sequences
     RowsCase(2, 128, 2, 1, 64, 96, ((150, "chain", 9), (7, "tree", 8))),  # head_dim 64; attention on threads
+    # head_dim 128, three query heads a key head: the attention's units share each key block among several queries
+    # (one sequence: a prefix past whole blocks, its own entries in the last one); then one row alone
+    RowsCase(2, 64, 6, 2, 128, 64, ((70, "chain", 7), (33, "tree", 5), (45, "chain", 1))),
     # Qwen2-like: biases, a window shorter than the prefixes (every second layer)
     RowsCase(2, 48, 4, 2, 16, 40, ((30, "chain", 4), (9, "tree", 7)), frozenset({"bias"}), window=6),
     # Gemma 2-like: norms around each block, soft-capped scores, GELU-tanh, a window reaching into a tree

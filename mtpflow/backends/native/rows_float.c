@@ -52,14 +52,200 @@ static inline float dot(const float *a, const float *b, int d) {
 }
 
 
-/* ---- attention over a sequence's cached prefix, vectorized: the prefix's scores four keys at a time (no mask
- * there: every row sees its whole prefix), their exponentials VW at a time, the weighted values with the output
- * row in registers. The new entries of the row's own tree (a handful, masked) take the scalar loop. */
-#define ATT_MAX_VECS (256 / VW)  /* head sizes up to 256 take the vector path (d a multiple of VW) */
+/* ---- attention over a sequence's cached prefix and its own new entries, vectorized (head sizes d that are a
+ * multiple of VW, up to 256). A unit of work is one row's query heads that share a key / value head (or some of
+ * them): the scores run a block of VW keys at a time, each block read once for all the unit's queries (the keys
+ * stay in the L1 cache between them), each query's VW dot products summed lane-wise over the head and then across
+ * lanes in one tree (lane_sums: VW sums in log2(VW) shuffle steps, where one horizontal sum per score, a
+ * sequential chain of VW adds, took most of the attention's time at long contexts: measured,
+ * docs/bench/step_dec07c.md). A block that runs past the last key reads a copy padded with zeros. Each query's
+ * arithmetic is the same whatever unit it falls in, so the outputs do not depend on the thread count. The
+ * exponentials run VW at a time over the prefix, the weighted values with the output row in registers (the head's
+ * vectors a compile-time count). */
+#define ATT_MAX_D 256
+#define ATT_MAX_VECS (ATT_MAX_D / VW)
+#define ATT_MAX_QUERIES 64  /* query heads per unit */
+#define ATT_GROUP 4  /* queries per pass over the values */
+#if VW == 16
+#define ATT_ACC_VECS 16  /* the passes' sums in registers: 16 + a value and the weights of the 32 */
+#else
+#define ATT_ACC_VECS 8  /* 8 + a value and the weights of the 16 */
+#endif
+
+/* out[e] = the sum of v[e]'s lanes, for e < VW: neighbouring lanes added pairwise, then pairs of pairs, ... */
+static inline vec lane_sums(const vec v[VW]) {
+#if VW == 16
+    vec c[8], e[4], f[2];
+    for (int i = 0; i < 8; i++)
+        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+    for (int i = 0; i < 4; i++)
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+    for (int i = 0; i < 2; i++)
+        f[i] = __builtin_shufflevector(e[2 * i], e[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+               __builtin_shufflevector(e[2 * i], e[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+    return __builtin_shufflevector(f[0], f[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(f[0], f[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+#else
+    vec c[4], e[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
+}
+
+/* the dot products of query q with the VW keys at k (d = DV * VW floats each, d apart), times scale */
+static inline __attribute__((always_inline)) vec block_scores(const float *q, const float *k, float scale,
+                                                              const int DV) {
+    vec acc[VW];
+#pragma GCC unroll 16
+    for (int e = 0; e < VW; e++) acc[e] = (vec){0};
+    for (int i = 0; i < DV; i++) {
+        const vec u = loadv(q + i * VW);
+#pragma GCC unroll 16
+        for (int e = 0; e < VW; e++) acc[e] += u * loadv(k + (size_t)e * DV * VW + i * VW);
+    }
+    return lane_sums(acc) * scale;
+}
+
+/* scores s[n] into the softmax's exponentials in place (the entries own does not mark, and those past n0, to 0;
+ * soft-capped first where softcap is not 0); returns 1 / their sum. The maximum runs VW at a time (any order gives
+ * the same maximum), the exponentials VW at a time over the prefix. */
+static float softmax_in_place(float *s, const unsigned char *own, int n0, int n, float softcap) {
+    for (int t = n0; t < n; t++)
+        if (!own[t - n0]) s[t] = -INFINITY;
+    if (softcap != 0.0f) softcap_scores(s, n, softcap);
+    vec mv = splat(-INFINITY);
+    int t = 0;
+    for (; t + VW <= n; t += VW) {
+        const vec x = loadv(s + t);
+        mv = select_lt(mv, x, x, mv);
+    }
+    float m = -INFINITY, total;
+    for (int e = 0; e < VW; e++)
+        if (mv[e] > m) m = mv[e];
+    for (; t < n; t++)
+        if (s[t] > m) m = s[t];
+    vec sum = {0};
+    for (t = 0; t + VW <= n0; t += VW) {
+        const vec e = vexp(loadv(s + t) - m);
+        storev(s + t, e);
+        sum += e;
+    }
+    total = sumv(sum);
+    for (; t < n; t++) {
+        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m);
+        total += s[t];
+    }
+    return 1.0f / total;
+}
+
+/* the outputs o (G heads, d apart) of G queries' weights w (n each, ws apart; G <= ATT_GROUP) over values [n][d],
+ * times each query's inv */
+static inline __attribute__((always_inline)) void weigh_values(const float *w, size_t ws, const float *values, int n,
+                                                               const float *inv, float *o, const int DV,
+                                                               const int G) {
+    vec acc[ATT_GROUP][ATT_MAX_VECS];  /* fixed sizes and whole unrolled loops: the compiler keeps them in registers */
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 32
+        for (int i = 0; i < DV; i++) acc[g][i] = (vec){0};
+    for (int t = 0; t < n; t++) {  /* a masked entry's weight is 0: it adds 0 (every entry before n is written) */
+        const float *vt = values + (size_t)t * DV * VW;
+#pragma GCC unroll 32
+        for (int i = 0; i < DV; i++) {
+            const vec v = loadv(vt + i * VW);
+#pragma GCC unroll 4
+            for (int g = 0; g < G; g++) acc[g][i] += w[g * ws + t] * v;
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; g++)
+#pragma GCC unroll 32
+        for (int i = 0; i < DV; i++) storev(o + (size_t)g * DV * VW + i * VW, acc[g][i] * inv[g]);
+}
+
+/* the attention outputs o (nq heads, d apart) of queries q (nq heads of one row, d apart) over keys / values
+ * [n][d], of which the first n0 are visible to all and the rest only where own[t - n0]; s: scratch for each
+ * query's n scores, sstride apart */
+static inline __attribute__((always_inline)) void attend_heads(const float *q, int nq, const float *keys,
+                                                               const float *values, const unsigned char *own, int n0,
+                                                               int n, float scale, float softcap, float *s,
+                                                               size_t sstride, float *o, const int DV) {
+    const int d = DV * VW, full = n - n % VW;
+    float pad[VW * ATT_MAX_D];
+    if (full < n) {  /* the last block's keys, the rows past n zero */
+        memcpy(pad, keys + (size_t)full * d, (size_t)(n - full) * d * sizeof(float));
+        memset(pad + (size_t)(n - full) * d, 0, (size_t)(VW - (n - full)) * d * sizeof(float));
+    }
+    for (int t = 0; t < n; t += VW) {
+        const float *kb = t < full ? keys + (size_t)t * d : pad;
+        for (int j = 0; j < nq; j++) {
+            const vec sc = block_scores(q + (size_t)j * d, kb, scale, DV);
+            float *sj = s + j * sstride + t;
+            if (t < full) storev(sj, sc);
+            else
+                for (int e = 0; e < n - t; e++) sj[e] = sc[e];
+        }
+    }
+    float inv[ATT_MAX_QUERIES];
+    for (int j = 0; j < nq; j++) inv[j] = softmax_in_place(s + j * sstride, own, n0, n, softcap);
+    /* the weighted values, up to ATT_GROUP queries at a time where their sums fit the registers: each value vector
+     * loaded once for all of them (the values stream from the L2 cache: one query a pass waited on them), and
+     * more independent adds in flight; each query's sums run in the same order whatever its company */
+    const int most = ATT_ACC_VECS / DV < 1 ? 1 : ATT_ACC_VECS / DV > ATT_GROUP ? ATT_GROUP : ATT_ACC_VECS / DV;
+    for (int j = 0; j < nq;) {
+        const int g = nq - j < most ? nq - j : most;
+        switch (g) {
+        case 1: weigh_values(s + j * sstride, sstride, values, n, inv + j, o + (size_t)j * d, DV, 1); break;
+        case 2: weigh_values(s + j * sstride, sstride, values, n, inv + j, o + (size_t)j * d, DV, 2); break;
+        case 3: weigh_values(s + j * sstride, sstride, values, n, inv + j, o + (size_t)j * d, DV, 3); break;
+        default: weigh_values(s + j * sstride, sstride, values, n, inv + j, o + (size_t)j * d, DV, 4); break;
+        }
+        j += g;
+    }
+}
+
+#define ATT_DV(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
+#if VW == 8
+#define ATT_DV_WIDE(X) X(20) X(24) X(32)
+#else
+#define ATT_DV_WIDE(X)
+#endif
+#define ATT_DEFINE(DV)                                                                                              \
+    static void attend_heads_##DV(const float *q, int nq, const float *keys, const float *values,                  \
+                                  const unsigned char *own, int n0, int n, float scale, float softcap, float *s,     \
+                                  size_t sstride, float *o) {                                                       \
+        attend_heads(q, nq, keys, values, own, n0, n, scale, softcap, s, sstride, o, DV);                          \
+    }
+ATT_DV(ATT_DEFINE)
+ATT_DV_WIDE(ATT_DEFINE)
+
+typedef void (*attend_fn)(const float *, int, const float *, const float *, const unsigned char *, int, int, float,
+                          float, float *, size_t, float *);
+
+/* the vector attention for head size d, or NULL (the scalar loop, attend_one) */
+static attend_fn attend_for(int d) {
+    if (d % VW) return NULL;
+    switch (d / VW) {
+#define ATT_CASE(DV) case DV: return attend_heads_##DV;
+        ATT_DV(ATT_CASE)
+        ATT_DV_WIDE(ATT_CASE)
+#undef ATT_CASE
+    }
+    return NULL;
+}
 
 /* one query head's attention output o[d] over keys / values [n][d], of which the first n0 are all visible and
- * the rest only where own[t - n0]; s: scratch for n scores */
-static void attend(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0, int n,
+ * the rest only where own[t - n0]; s: scratch for n scores. The head sizes attend_for has no vector code for
+ * (its fast branch: a multiple of VW with a quotient it lacks). */
+static void attend_one(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0, int n,
                    int d, float scale, float softcap, float *s, float *o) {
     float m = -INFINITY, total = 0.0f;
     const int dv = d / VW;
@@ -189,6 +375,12 @@ int mtpflow_llama_rows(const struct mtpflow_rows_args *a) {
     float *x = buf, *tmp = x + (size_t)M * H, *qkv = tmp + (size_t)M * H, *att = qkv + (size_t)M * nqkv,
           *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I, *scores = act + (size_t)M * I;
     unsigned char *own = (unsigned char *)(scores + (size_t)M * nh * longest);  /* [M][qmax]: a window's own mask */
+    /* the attention's units: qc query heads of one row that share a key / value head, all of a group's where that
+     * leaves the threads two units each, else fewer */
+    const attend_fn heads = attend_for(d);
+    int qc = heads ? group : 1;
+    while (qc > 1 && (qc > ATT_MAX_QUERIES || M * (nh / qc) < 2 * threads)) do qc--; while (group % qc);
+    const int units = M * (nh / qc);
     /* the per-row loops between the products run on the threads from 4 rows on (each row's arithmetic is the
      * same: bit-identical output; below 4 rows a parallel region costs more than it saves) */
     for (int l = 0; l < L; l++) {
@@ -212,14 +404,19 @@ int mtpflow_llama_rows(const struct mtpflow_rows_args *a) {
         }
         const long work = (long)M * nh * longest;
 #pragma omp parallel for schedule(static) num_threads(threads) if (work > 1024)
-        for (int p = 0; p < M * nh; p++) {
-            const int r = p / nh, j = p % nh;
+        for (int u = 0; u < units; u++) {
+            const int r = u / (nh / qc), j = u % (nh / qc) * qc;
             const float *qh = qkv + (size_t)r * nqkv + (size_t)j * d;
             const int lo = window_start(w, w ? a->pos[r] : 0, prefix[r]);
             const size_t base = slot[r] * slot_stride + (size_t)(j / group) * cap * d + (size_t)lo * d;
             const unsigned char *mask = w ? own + (size_t)r * qmax : a->allowed + (size_t)r * qmax;
-            attend(qh, a->kc[l] + base, a->vc[l] + base, mask, prefix[r] - lo, prefix[r] + count[r] - lo, d, scale,
-                   a->softcap, scores + (size_t)p * longest, att + (size_t)r * nq + (size_t)j * d);
+            float *s = scores + ((size_t)r * nh + j) * longest, *o = att + (size_t)r * nq + (size_t)j * d;
+            if (heads)
+                heads(qh, qc, a->kc[l] + base, a->vc[l] + base, mask, prefix[r] - lo, prefix[r] + count[r] - lo,
+                      scale, a->softcap, s, (size_t)longest, o);
+            else
+                attend_one(qh, a->kc[l] + base, a->vc[l] + base, mask, prefix[r] - lo, prefix[r] + count[r] - lo, d,
+                           scale, a->softcap, s, o);
         }
         product(att, a->wo[l], PART(a->po, l), PART(a->qo, l), PART(a->so, l), PART(a->bo, l), tmp, M, H, nq,
                 threads);
