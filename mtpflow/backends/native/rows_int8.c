@@ -128,6 +128,7 @@ struct queries {
     const float *q;       /* query (row 0, head 0); rows qrow floats apart, heads d */
     float *s, *o;         /* scores (row 0, head 0): rows srow apart, heads sh; outputs: rows orow apart, heads d */
     const unsigned char *own;  /* row 0's mask over the new entries; rows mrow apart */
+    const int *lim;       /* row 0's visible end (it sees no key from there on; a prefill row's causal end); rows 1 apart */
     int rows, g;
     size_t qrow, srow, sh, orow, mrow;
 };
@@ -139,6 +140,9 @@ static inline const float *query_at(const struct queries *Q, int qi, int d) {
 static inline float *scores_at(const struct queries *Q, int qi) {
     return Q->s + (size_t)(qi / Q->g) * Q->srow + (size_t)(qi % Q->g) * Q->sh;
 }
+
+/* the keys [0, lim) hold every key query qi sees */
+static inline int limit_at(const struct queries *Q, int qi) { return Q->lim[qi / Q->g]; }
 
 static inline float *out_at(const struct queries *Q, int qi, int d) {
     return Q->o + (size_t)(qi / Q->g) * Q->orow + (size_t)(qi % Q->g) * d;
@@ -265,7 +269,7 @@ static inline void transpose16(__m512i r[16]) {
  * aligned) for all the queries, which read it VNNI_QUERIES at a time (qu: as vnni_block reads them). The same integers
  * as block_scores, so the same scores. */
 static void block_scores_vnni(const struct queries *Q, const unsigned char *qu, const float *sq, const signed char *keys,
-                              int n, int d, float scale, int32_t *kt) {
+                              int n, int d, float scale, int32_t *kt, const int *glim) {
     const int groups = d / 4, nq = Q->rows * Q->g;
     const size_t kr = ENTRY_BYTES(d);
     const __m512i ones = _mm512_set1_epi8(1);
@@ -289,10 +293,10 @@ static void block_scores_vnni(const struct queries *Q, const unsigned char *qu, 
             sums = _mm512_dpbusd_epi32(sums, ones, _mm512_load_si512((const void *)(kt + (size_t)j * VNNI_KEYS)));
         const __m512i corr = _mm512_slli_epi32(sums, 7);
         const __m512 sk = _mm512_loadu_ps(skv);
-        int qi = 0;
-        for (; qi + VNNI_QUERIES <= nq; qi += VNNI_QUERIES)
-            vnni_block(Q, qu, sq, qi, VNNI_QUERIES, t, d, scale, kt, corr, sk, keep);
-        if (qi < nq) vnni_block(Q, qu, sq, qi, nq - qi, t, d, scale, kt, corr, sk, keep);
+        int qi = 0;  /* a group none of whose queries sees the block: skipped */
+        for (; qi + VNNI_QUERIES <= nq; qi += VNNI_QUERIES)  /* a constant count: the sums stay in registers */
+            if (glim[qi / VNNI_QUERIES] > t) vnni_block(Q, qu, sq, qi, VNNI_QUERIES, t, d, scale, kt, corr, sk, keep);
+        if (qi < nq && glim[qi / VNNI_QUERIES] > t) vnni_block(Q, qu, sq, qi, nq - qi, t, d, scale, kt, corr, sk, keep);
     }
 }
 #endif
@@ -393,12 +397,13 @@ static void weigh(const int16_t *const *wq, const signed char *values, int n, in
 /* per-thread scratch of the attention: kf (KEYS * 256 floats; on VNNI a block's keys transposed), qf (a unit's
  * queries quantized: queries * d floats for block_scores, then their scales, then their bytes), e (their weights:
  * queries * n floats), wq (the weights in fixed point: queries * (n + 1) int16), inv and unit (queries floats each),
- * sv (the values' scales: n floats), sums (WEIGH * d doubles) */
+ * sv (the values' scales: n floats), sums (WEIGH * d doubles), glim (queries / VNNI_QUERIES + 1 ints) */
 struct att_scratch {
     float *kf, *qf, *e;
     int16_t *wq;
     float *inv, *unit, *sv;
     double *sums;
+    int *glim;  /* block_scores_vnni's groups' visible ends: queries / VNNI_QUERIES + 1 ints */
 };
 
 /* the attention of queries Q over keys and values [n] (int8 entries of ENTRY_BYTES(d) bytes), of which the first n0
@@ -413,12 +418,18 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
     float *const sq = w->qf + (size_t)nq * d;
     unsigned char *const qu = (unsigned char *)(sq + nq);  /* the queries quantized: value + Q8_OFFSET */
     for (int qi = 0; qi < nq; qi++) sq[qi] = mtpflow_quantize_row(query_at(Q, qi, d), d, d, qu + (size_t)qi * d);
+    int seen = n0;  /* the keys any query sees: [0, seen) */
+    for (int qi = 0; qi < nq; qi++) seen = limit_at(Q, qi) > seen ? limit_at(Q, qi) : seen;
+    n = seen;  /* the keys past every query's limit: none computed (their weights would all be 0) */
     for (int t = 0; t < n; t++) w->sv[t] = entry_scale(values + (size_t)t * kr, d);
     const size_t np = (size_t)n + 1;  /* wq's room per query: n and a 0 after an odd n */
     int from = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     if (d % 4 == 0 && d <= 256) {
-        block_scores_vnni(Q, qu, sq, keys, n, d, scale, (int32_t *)w->kf);
+        for (int qi = 0; qi < nq; qi++)  /* each group's visible end: the largest of its queries' */
+            if (qi % VNNI_QUERIES == 0 || limit_at(Q, qi) > w->glim[qi / VNNI_QUERIES])
+                w->glim[qi / VNNI_QUERIES] = limit_at(Q, qi);
+        block_scores_vnni(Q, qu, sq, keys, n, d, scale, (int32_t *)w->kf, w->glim);
         from = n;
     }
 #else
@@ -428,25 +439,35 @@ static void attend_exact(const struct queries *Q, const signed char *keys, const
         from = n0 - n0 % KEYS;
     }
 #endif
+    /* each query over the keys up to its limit: those past it weigh 0 (a masked score's weight), and a 0 adds
+     * nothing to the softmax's sum, its largest weight or the exact integer sums */
     for (int qi = 0; qi < nq; qi++) {
         float *s = scores_at(Q, qi);
-        for (int t = from; t < n; t++) {  /* the keys the block scores leave */
+        const int lq = limit_at(Q, qi);
+        for (int t = from; t < lq; t++) {  /* the keys the block scores leave */
             const signed char *key = keys + (size_t)t * kr;
             s[t] = ((dot_q8(qu + (size_t)qi * d, key, d) * sq[qi]) * entry_scale(key, d)) * scale;
         }
         const unsigned char *own = Q->own + (size_t)(qi / Q->g) * Q->mrow;
-        for (int t = n0; t < n; t++)  /* the new entries this row does not see */
+        for (int t = n0; t < lq; t++)  /* the new entries this row does not see */
             if (!own[t - n0]) s[t] = -INFINITY;
         float wmax;
-        w->inv[qi] = softmax_weights(s, n, softcap, w->sv, w->e + (size_t)qi * n, &wmax);
-        w->unit[qi] = quantize_weights(w->e + (size_t)qi * n, wmax, n, w->wq + (size_t)qi * np);
+        w->inv[qi] = softmax_weights(s, lq, softcap, w->sv, w->e + (size_t)qi * n, &wmax);
+        w->unit[qi] = quantize_weights(w->e + (size_t)qi * n, wmax, lq, w->wq + (size_t)qi * np);
     }
     for (int j = 0; j < nq; j += WEIGH) {
         const int g = nq - j < WEIGH ? nq - j : WEIGH;
         const int16_t *wq[WEIGH];
         float *o[WEIGH];
-        for (int i = 0; i < g; i++) { wq[i] = w->wq + (size_t)(j + i) * np; o[i] = out_at(Q, j + i, d); }
-        weigh(wq, values, n, d, g, w->unit + j, w->inv + j, o, w->sums);
+        int ng = 0;  /* the group's keys: to its longest limit, the others' weights 0 from their limits on */
+        for (int i = 0; i < g; i++) ng = limit_at(Q, j + i) > ng ? limit_at(Q, j + i) : ng;
+        for (int i = 0; i < g; i++) {
+            int16_t *q = w->wq + (size_t)(j + i) * np;
+            for (int t = limit_at(Q, j + i); t < ng + (ng & 1); t++) q[t] = 0;
+            wq[i] = q;
+            o[i] = out_at(Q, j + i, d);
+        }
+        weigh(wq, values, ng, d, g, w->unit + j, w->inv + j, o, w->sums);
     }
 }
 
@@ -555,14 +576,14 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
     }
     const int teams = a->threads > 1 ? a->threads : 1;  /* per-thread scratch: the attention's runs and sums */
     const size_t floats = (size_t)M * (2 * H + nqkv + nq + 3 * (size_t)I) + (size_t)M * nh * longest + M +
-                          (size_t)teams * ((size_t)M * nh + 2 * M + 1);
+                          (size_t)teams * ((size_t)M * nh + 3 * M + 1);
     /* each thread's attention scratch (struct att_scratch), 64-byte aligned: a unit has at most widest x group
      * queries */
     const size_t unit_q = (size_t)widest * group;
     /* in doubles: kf, qf (d + 1 per query), e and wq (n floats and n + 1 int16 per query: under n + 1 doubles), unit
-     * and sv (floats), sums; each part rounded up to whole doubles */
+     * and sv (floats), sums, glim (ints); each part rounded up to whole doubles */
     const size_t doubles = KEYS * 256 + unit_q * (d + 1) + unit_q * ((size_t)longest + 1) + unit_q + longest + 1 +
-                           (size_t)WEIGH * d + 8;
+                           (size_t)WEIGH * d + unit_q / 2 + 1 + 8;
     char *buf = malloc(floats * sizeof(float) + (size_t)M * kp_max + (size_t)M * a->qmax);
     double *att_buf = malloc((size_t)teams * doubles * sizeof(double) + 64);
     if (!buf || !att_buf) { free(buf); free(att_buf); return -1; }
@@ -570,7 +591,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
           *att = qkv + (size_t)M * nqkv, *gu = att + (size_t)M * nq, *act = gu + (size_t)M * 2 * I,
           *scores = act + (size_t)M * I, *sx = scores + (size_t)M * nh * longest, *invs = sx + M;
     int *ints = (int *)(invs + (size_t)teams * M * nh);
-    unsigned char *xq = (unsigned char *)(ints + (size_t)teams * (2 * M + 1)), *own = xq + (size_t)M * kp_max;  /* own: a window's own mask */
+    unsigned char *xq = (unsigned char *)(ints + (size_t)teams * (3 * M + 1)), *own = xq + (size_t)M * kp_max;  /* own: a window's own mask */
     struct spin_barrier barrier = {0, 0};
 #pragma omp parallel num_threads(a->threads)
     {
@@ -584,8 +605,10 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                  *const sums_at = sv_at + longest + 1;
     const struct att_scratch scratch = {(float *)mine, (float *)qf_at, (float *)e_at,
                                         (int16_t *)((float *)e_at + unit_q * (size_t)longest),
-                                        invs + (size_t)t * M * nh, (float *)unit_at, (float *)sv_at, sums_at};
-    int *const lo = ints + (size_t)t * (2 * M + 1), *const runs = lo + M;  /* this thread's: each row's window start */
+                                        invs + (size_t)t * M * nh, (float *)unit_at, (float *)sv_at, sums_at,
+                                        (int *)(sums_at + (size_t)WEIGH * d)};
+    /* this thread's: each row's window start, its visible end (struct queries' lim), the runs */
+    int *const lo = ints + (size_t)t * (3 * M + 1), *const seen = lo + M, *const runs = seen + M;
     const struct team team = {&barrier, t, nt, r0, r1};
     for (int r = r0; r < r1; r++) {  /* the first layer's norm; each later one follows its residual below */
         rmsnorm(h + (size_t)r * H, a->ln1[0], a->eps, x + (size_t)r * H, H);
@@ -616,6 +639,10 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
         int nr = 0;
         for (int r = 0; r < M; r++) {
             lo[r] = window_start(w, w ? a->pos[r] : 0, a->prefix[r]);
+            const unsigned char *mask = (w ? own : a->allowed) + (size_t)r * a->qmax;
+            int last = a->count[r];
+            while (last > 0 && !mask[last - 1]) last--;
+            seen[r] = a->prefix[r] - lo[r] + last;
             if (r == 0 || !same_sequence(a, r) || lo[r] != lo[r - 1])
                 runs[nr++] = r;
         }
@@ -637,7 +664,7 @@ int mtpflow_w8a8_rows(const struct mtpflow_w8a8_args *a) {
                     const size_t base = a->slot[ra] * slot_stride + ((size_t)jk * a->cap + lo[ra]) * ENTRY_BYTES(d);
                     const struct queries Q = {
                         .q = qkv + (size_t)ra * nqkv + (size_t)h0 * d, .s = scores + ((size_t)ra * nh + h0) * longest,
-                        .o = att + (size_t)ra * nq + (size_t)h0 * d, .own = (w ? own : a->allowed) + (size_t)ra * a->qmax,
+                        .o = att + (size_t)ra * nq + (size_t)h0 * d, .own = (w ? own : a->allowed) + (size_t)ra * a->qmax, .lim = seen + ra,
                         .rows = rows, .g = g, .qrow = (size_t)nqkv, .srow = (size_t)nh * longest, .sh = (size_t)longest,
                         .orow = (size_t)nq, .mrow = (size_t)a->qmax};
                     attend_exact(&Q, (const signed char *)a->kc[l] + base, (const signed char *)a->vc[l] + base, a->prefix[ra] - lo[ra],
