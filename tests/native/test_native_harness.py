@@ -165,6 +165,8 @@ ROWS_CASES = (
     # head_dim 128, three query heads a key head: the attention's units share each key block among several queries
     # (one sequence: a prefix past whole blocks, its own entries in the last one); then one row alone
     RowsCase(2, 64, 6, 2, 128, 64, ((70, "chain", 7), (33, "tree", 5), (45, "chain", 1))),
+    # head_dim 144: a multiple of the vector width that the grouped attention has no instance for (the pair loop)
+    RowsCase(1, 32, 2, 1, 144, 32, ((20, "chain", 3), (9, "tree", 4))),
     # Qwen2-like: biases, a window shorter than the prefixes (every second layer)
     RowsCase(2, 48, 4, 2, 16, 40, ((30, "chain", 4), (9, "tree", 7)), frozenset({"bias"}), window=6),
     # Gemma 2-like: norms around each block, soft-capped scores, GELU-tanh, a window reaching into a tree

@@ -39,6 +39,22 @@ static inline void rotary(float *v, const float *cos, const float *sin, int d) {
 }
 
 
+typedef float f32x8 __attribute__((vector_size(32)));
+
+/* out[e] = the sum of v[e]'s 8 lanes: neighbouring lanes added pairwise, then pairs of pairs, then halves (the
+ * float stack's scores on 8-float vectors; the int8 stack's exact integer sums, where any order gives the same) */
+static inline f32x8 lane_sums8(const f32x8 v[8]) {
+    f32x8 c[4], e[2];
+    for (int i = 0; i < 4; i++)
+        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
+               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
+    for (int i = 0; i < 2; i++)
+        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
 typedef int ivec __attribute__((vector_size(VW * 4)));
 
 static inline vec splat(float x) { return (vec){0} + x; }

@@ -88,15 +88,7 @@ static inline vec lane_sums(const vec v[VW]) {
     return __builtin_shufflevector(f[0], f[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
            __builtin_shufflevector(f[0], f[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 #else
-    vec c[4], e[2];
-    for (int i = 0; i < 4; i++)
-        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int i = 0; i < 2; i++)
-        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
+    return lane_sums8(v);
 #endif
 }
 
@@ -247,7 +239,6 @@ static attend_fn attend_for(int d) {
  * (its fast branch: a multiple of VW with a quotient it lacks). */
 static void attend_one(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0, int n,
                    int d, float scale, float softcap, float *s, float *o) {
-    float m = -INFINITY, total = 0.0f;
     const int dv = d / VW;
     const int fast = d % VW == 0 && dv <= ATT_MAX_VECS;
     int t = 0;
@@ -273,24 +264,7 @@ static void attend_one(const float *qh, const float *keys, const float *values, 
         if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
         s[t] = dot(qh, keys + (size_t)t * d, d) * scale;
     }
-    if (softcap != 0.0f) softcap_scores(s, n, softcap);
-    for (t = 0; t < n; t++)
-        if (s[t] > m) m = s[t];
-    t = 0;
-    if (fast) {
-        vec sum = {0};
-        for (; t + VW <= n0; t += VW) {
-            const vec e = vexp(loadv(s + t) - m);
-            storev(s + t, e);
-            sum += e;
-        }
-        total = sumv(sum);
-    }
-    for (; t < n; t++) {
-        s[t] = s[t] == -INFINITY ? 0.0f : expf(s[t] - m);
-        total += s[t];
-    }
-    const float inv = 1.0f / total;
+    const float inv = softmax_in_place(s, own, n0, n, softcap);
     if (fast) {
         vec ov[ATT_MAX_VECS];
         for (int i = 0; i < dv; i++) ov[i] = (vec){0};

@@ -148,19 +148,6 @@ static inline float *out_at(const struct queries *Q, int qi, int d) {
     return Q->o + (size_t)(qi / Q->g) * Q->orow + (size_t)(qi % Q->g) * d;
 }
 
-/* the lanes of 8 vectors summed into one: out[e] = sum of v[e]'s lanes (exact integers: any order gives the same) */
-static inline fvec8 lane_sums(const fvec8 v[8]) {
-    fvec8 c[4], e[2];
-    for (int i = 0; i < 4; i++)
-        c[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 8, 2, 10, 4, 12, 6, 14) +
-               __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 9, 3, 11, 5, 13, 7, 15);
-    for (int i = 0; i < 2; i++)
-        e[i] = __builtin_shufflevector(c[2 * i], c[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               __builtin_shufflevector(c[2 * i], c[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 8, 9, 10, 11) +
-           __builtin_shufflevector(e[0], e[1], 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
 /* ((dots * sq) * sk) * scale into s[0, KEYS): the int8 model's score of a query (scale sq) and KEYS keys (sk) */
 static inline void store_scores(float *s, fvec8 dots, float sq, fvec8 sk, float scale) {
     const fvec8 f = ((dots * sq) * sk) * scale;
@@ -194,8 +181,8 @@ static void block_scores(const struct queries *Q, const float *qf, const float *
                 const fvec8 *k = (const fvec8 *)(kf + (size_t)i * KEYS * 8);
                 for (int e = 0; e < KEYS; e++) { a0[e] += u0 * k[e]; a1[e] += u1 * k[e]; }
             }
-            store_scores(scores_at(Q, qi) + t, lane_sums(a0), sq[qi], sk, scale);
-            store_scores(scores_at(Q, qi + 1) + t, lane_sums(a1), sq[qi + 1], sk, scale);
+            store_scores(scores_at(Q, qi) + t, lane_sums8(a0), sq[qi], sk, scale);
+            store_scores(scores_at(Q, qi + 1) + t, lane_sums8(a1), sq[qi + 1], sk, scale);
         }
         if (qi < nq) {
             const float *q0 = qf + (size_t)qi * d;
@@ -206,7 +193,7 @@ static void block_scores(const struct queries *Q, const float *qf, const float *
                 const fvec8 *k = (const fvec8 *)(kf + (size_t)i * KEYS * 8);
                 for (int e = 0; e < KEYS; e++) a0[e] += u0 * k[e];
             }
-            store_scores(scores_at(Q, qi) + t, lane_sums(a0), sq[qi], sk, scale);
+            store_scores(scores_at(Q, qi) + t, lane_sums8(a0), sq[qi], sk, scale);
         }
     }
 }
