@@ -204,9 +204,10 @@ static inline __attribute__((always_inline)) void attend_heads(const float *q, i
     }
 }
 
-#define ATT_DV(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(10) X(12) X(16)
+/* one instance per head size d = DV * VW up to ATT_MAX_D: every such size takes the grouped attention */
+#define ATT_DV(X) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11) X(12) X(13) X(14) X(15) X(16)
 #if VW == 8
-#define ATT_DV_WIDE(X) X(20) X(24) X(32)
+#define ATT_DV_WIDE(X) X(17) X(18) X(19) X(20) X(21) X(22) X(23) X(24) X(25) X(26) X(27) X(28) X(29) X(30) X(31) X(32)
 #else
 #define ATT_DV_WIDE(X)
 #endif
@@ -222,7 +223,7 @@ ATT_DV_WIDE(ATT_DEFINE)
 typedef void (*attend_fn)(const float *, int, const float *, const float *, const unsigned char *, int, int, float,
                           float, float *, size_t, float *);
 
-/* the vector attention for head size d, or NULL (the scalar loop, attend_one) */
+/* the grouped attention for head size d, or NULL (not a multiple of VW, or past ATT_MAX_D: attend_one) */
 static attend_fn attend_for(int d) {
     if (d % VW) return NULL;
     switch (d / VW) {
@@ -235,50 +236,14 @@ static attend_fn attend_for(int d) {
 }
 
 /* one query head's attention output o[d] over keys / values [n][d], of which the first n0 are all visible and
- * the rest only where own[t - n0]; s: scratch for n scores. The head sizes attend_for has no vector code for
- * (its fast branch: a multiple of VW with a quotient it lacks). */
+ * the rest only where own[t - n0]; s: scratch for n scores. The head sizes attend_for has no instance for (not a
+ * multiple of VW, or past ATT_MAX_D): the scalar loop. */
 static void attend_one(const float *qh, const float *keys, const float *values, const unsigned char *own, int n0, int n,
-                   int d, float scale, float softcap, float *s, float *o) {
-    const int dv = d / VW;
-    const int fast = d % VW == 0 && dv <= ATT_MAX_VECS;
-    int t = 0;
-    if (fast) {
-        vec qv[ATT_MAX_VECS];
-        for (int i = 0; i < dv; i++) qv[i] = loadv(qh + i * VW);
-        for (; t + 4 <= n0; t += 4) {
-            const float *k0 = keys + (size_t)t * d;
-            vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int i = 0; i < dv; i++) {
-                a0 += qv[i] * loadv(k0 + i * VW);
-                a1 += qv[i] * loadv(k0 + d + i * VW);
-                a2 += qv[i] * loadv(k0 + 2 * d + i * VW);
-                a3 += qv[i] * loadv(k0 + 3 * d + i * VW);
-            }
-            s[t] = sumv(a0) * scale;
-            s[t + 1] = sumv(a1) * scale;
-            s[t + 2] = sumv(a2) * scale;
-            s[t + 3] = sumv(a3) * scale;
-        }
-    }
-    for (; t < n; t++) {
-        if (t >= n0 && !own[t - n0]) { s[t] = -INFINITY; continue; }
-        s[t] = dot(qh, keys + (size_t)t * d, d) * scale;
-    }
+                       int d, float scale, float softcap, float *s, float *o) {
+    for (int t = 0; t < n; t++) s[t] = t >= n0 && !own[t - n0] ? -INFINITY : dot(qh, keys + (size_t)t * d, d) * scale;
     const float inv = softmax_in_place(s, own, n0, n, softcap);
-    if (fast) {
-        vec ov[ATT_MAX_VECS];
-        for (int i = 0; i < dv; i++) ov[i] = (vec){0};
-        for (t = 0; t < n; t++) {
-            const float w = s[t];
-            if (w == 0.0f) continue;
-            const float *vt = values + (size_t)t * d;
-            for (int i = 0; i < dv; i++) ov[i] += w * loadv(vt + i * VW);
-        }
-        for (int i = 0; i < dv; i++) storev(o + i * VW, ov[i] * inv);
-        return;
-    }
     for (int i = 0; i < d; i++) o[i] = 0.0f;
-    for (t = 0; t < n; t++) {
+    for (int t = 0; t < n; t++) {
         const float w = s[t];
         if (w == 0.0f) continue;
         const float *vt = values + (size_t)t * d;
