@@ -110,6 +110,10 @@ class RequestHandle:
         self._plugin_manager = plugin_manager  # this request's own stage objects and run plugins
         self._tokens: list[int] = []
         self._cond = threading.Condition()
+        # threads in stream() waiting for tokens: a step wakes the condition's waiters only when there are some, so
+        # a thread in result() (which only the end concerns) is not woken, and does not take the GIL and a core
+        # from the step, every step
+        self._token_waiters = 0
         self._cancelled = False
         self._result: DecodeResult | None = None
         self._error: BaseException | None = None
@@ -119,7 +123,8 @@ class RequestHandle:
     def _on_step(self, record, tokens) -> None:
         with self._cond:
             self._tokens.extend(tokens)
-            self._cond.notify_all()
+            if self._token_waiters:
+                self._cond.notify_all()
         self._wake_async()
         if self._user_on_step is not None:
             self._user_on_step(record, tokens)
@@ -184,7 +189,11 @@ class RequestHandle:
         try:
             while not finished:
                 with self._cond:
-                    self._cond.wait_for(cursor.ready)
+                    self._token_waiters += 1
+                    try:
+                        self._cond.wait_for(cursor.ready)
+                    finally:
+                        self._token_waiters -= 1
                 piece, finished = cursor.take()
                 if piece:
                     yield piece

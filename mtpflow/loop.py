@@ -360,10 +360,11 @@ class Sequence:
         decision = hook.rescore(state=state, draft=draft, verification=verification, decision=decision)
 
         accepted = decision.accepted
-        path_tokens = draft.tokens[accepted].tolist()
+        accepted_list = accepted.tolist()
+        path_tokens = draft.tokens[accepted].tolist() if accepted_list else []
         emitted = path_tokens + [int(decision.next_token)]
         kinds = [ACCEPTED] * len(path_tokens) + [PLAIN if draft.num_nodes == 0 else decision.next_kind]
-        rows = torch.cat([torch.zeros(1, dtype=torch.long), accepted + 1])  # row that predicted each token
+        rows = torch.tensor([0] + [i + 1 for i in accepted_list])  # row that predicted each token
         logits = verification.logits
         target_argmax = verification.target_argmax()
         # probabilities of the few tokens that matter, without a softmax over every row
