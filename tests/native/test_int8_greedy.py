@@ -34,3 +34,19 @@ def test_the_native_greedy_loop_is_the_int8_models_greedy(family):
     got = backend.self_draft(target, int(prompt[-1]), n, STEPS, layers=2)
     assert got == backend.greedy_per_token(target, int(prompt[-1]), n, STEPS, layers=2)
     assert backend.self_draft(target, int(prompt[-1]), n, 0) == []
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_verifys_embeddings_are_the_weights_own_and_the_cache_stays_bounded(family, monkeypatch):
+    model = make_family_model(family, 96)
+    weights = backends.quantize_int8(model)
+    backend = backends.create(model, "native_cpu", int8=weights)
+    monkeypatch.setattr(type(backend), "EMBED_CACHE", 5)
+    for ids in ([7], [7, 7, 3], [3, 90, 1, 7], [50, 51, 52, 53, 54, 55], list(range(40))):
+        ids = torch.tensor(ids)
+        got = backend._embedding(ids)
+        assert torch.equal(got, weights.embedding(ids))  # bit for bit, repeated tokens included
+        assert got.is_contiguous() and got.data_ptr() != weights.head.q.data_ptr()
+        got.zero_()  # the kernel writes into what it is given: the kept rows must not change
+        assert torch.equal(backend._embedding(ids), weights.embedding(ids))
+        assert len(backend._embedded) <= 6  # at most EMBED_CACHE, but one batch's tokens are all kept

@@ -136,6 +136,27 @@ class NativeInt8Backend(Backend):
         # right after them, made the governor take a quiet machine for a shared one (measured:
         # docs/bench/step_dec07.md)
         self.governed = True
+        # the input embeddings of recent tokens, for a head tied to the embedding (``_embedding``)
+        self._embedded: dict[int, torch.Tensor] = {}
+
+    # a verify's or a draft step's few rows take their embeddings from here: the int8 head's row times its scale
+    # is seven torch operations over the packed layout, about as long as the rest of a step's Python; a prompt's
+    # chunk (more rows) computes its own. At most EMBED_CACHE tokens are kept (each H floats), then it starts over.
+    EMBED_ROWS, EMBED_CACHE = 32, 4096
+
+    def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """``Int8Weights.embedding`` of ``ids`` as a new contiguous tensor [len(ids), H] (the kernel writes into it),
+        the same values: a tied head's dequantized rows are computed once per token and kept (``EMBED_CACHE``)."""
+        if self.w.embed is not None or ids.numel() > self.EMBED_ROWS:
+            return self.w.embedding(ids).contiguous()
+        cache, tokens = self._embedded, ids.reshape(-1).tolist()
+        missing = [t for t in dict.fromkeys(tokens) if t not in cache]
+        if missing:
+            if len(cache) + len(missing) > self.EMBED_CACHE:
+                cache.clear()
+            for t, row in zip(missing, self.w.embedding(torch.tensor(missing, dtype=torch.long))):
+                cache[t] = row
+        return torch.stack([cache[t] for t in tokens])
 
     def make_pool(self, max_slots: int):
         """The int8 model's KV pool: each key and value entry its head_dim int8 values, then their float32 scale (the
@@ -162,7 +183,7 @@ class NativeInt8Backend(Backend):
         Returns (the logits [rows - head_from, vocab] of rows ``head_from`` on, soft-capped where the model caps them,
         None where ``head_from`` is None; the taps [rows, H * len(taps)] or None: layer outputs, -1 the final-normed
         state). ``layers``: the first ``layers`` layers only, then the final norm and the head."""
-        h = self.w.embedding(rows.ids).contiguous()
+        h = self._embedding(rows.ids)
         normed = torch.empty_like(h)
         members, tapped, held = call_members(rows, self.w.rope, self._rope_keys, taps, h)
         m = members["M"]
