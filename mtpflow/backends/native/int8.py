@@ -140,8 +140,9 @@ class NativeInt8Backend(Backend):
         self._embedded: dict[int, torch.Tensor] = {}
 
     # a verify's or a draft step's few rows take their embeddings from here: the int8 head's row times its scale
-    # is seven torch operations over the packed layout, about as long as the rest of a step's Python; a prompt's
-    # chunk (more rows) computes its own. At most EMBED_CACHE tokens are kept (each H floats), then it starts over.
+    # is seven torch operations over the packed layout on every forward (measured: docs/bench/step_dec07d.md); a
+    # prompt's chunk (more rows) computes its own. At most EMBED_CACHE tokens are kept (each H floats), then it
+    # starts over.
     EMBED_ROWS, EMBED_CACHE = 32, 4096
 
     def _embedding(self, ids: torch.Tensor) -> torch.Tensor:
