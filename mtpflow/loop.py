@@ -376,7 +376,7 @@ class Sequence:
             node_probs = (logits[parent_rows, draft.tokens].float() - log_norm[parent_rows]).exp()
         else:
             node_probs = torch.zeros(0)
-        decision = replace(decision, node_status=self._node_status(draft, decision))
+        decision = replace(decision, node_status=self._node_status(draft, decision, accepted_list))
 
         target.commit(cache_start, draft.num_nodes, accepted)
         self.stop_reason = self._stop_reason(emitted, state)
@@ -454,9 +454,10 @@ class Sequence:
         return result
 
     @staticmethod
-    def _node_status(draft: Draft, decision: Decision) -> tuple[str, ...]:
+    def _node_status(draft: Draft, decision: Decision, accepted: list[int]) -> tuple[str, ...]:
+        """Each node's fate; ``accepted``: ``decision.accepted`` as a list (the loop has it already)."""
         status = [REJECTED] * draft.num_nodes
-        for i in decision.accepted.tolist():
+        for i in accepted:
             status[i] = ACCEPTED
         for i in decision.info.get("deduped_nodes", []):
             status[i] = DEDUPED

@@ -49,7 +49,10 @@ def _unpack(buffer: torch.Tensor) -> tuple[torch.Tensor, int, bool]:
 
 def greedy_tree_verify(target_argmax: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor,
                        impl: str | None = None) -> tuple[torch.Tensor, int, bool]:
-    """Dispatcher for ``greedy_tree_verify_reference`` (same arguments and result)."""
+    """Dispatcher for ``greedy_tree_verify_reference`` (same arguments and result). An empty draft (every step
+    without drafting) has nothing to walk: the root's argmax, on any device."""
+    if tokens.numel() == 0:
+        return torch.zeros(0, dtype=torch.long), int(target_argmax[0]), False
     if resolve_impl(impl, target_argmax.device) == "torch":
         return greedy_tree_verify_reference(target_argmax, tokens, parents)
     from mtpflow.kernels.tree_verify_triton import tree_path

@@ -24,9 +24,6 @@ class GreedyGate:
     def gate(self, state: DecodeState, draft: Draft, verification: Verification) -> Decision:
         if not state.sampling.greedy:
             return SpeculativeSamplingGate().gate(state, draft, verification)
-        if not draft.num_nodes:  # no draft (every step of baseline): the root's argmax, nothing to walk
-            return Decision(accepted=torch.zeros(0, dtype=torch.long),
-                            next_token=int(verification.target_argmax()[0]), next_kind=RECOVERED)
         path, next_token, leaf = greedy_tree_verify(verification.target_argmax(), draft.tokens, draft.parents)
         return Decision(accepted=path, next_token=next_token, next_kind=BONUS if leaf else RECOVERED)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from kernel_cases import DEVICE, random_parents
 
@@ -52,3 +53,10 @@ def test_torch_impl_is_the_reference():
     argmax = torch.tensor([3, 1, 2])
     out = greedy_tree_verify(argmax, torch.tensor([3, 1]), torch.tensor([-1, 0]), impl="torch")
     assert out[0].tolist() == [0, 1] and out[1:] == (2, True)
+
+
+@pytest.mark.parametrize("impl", ["torch", None])
+def test_an_empty_draft_gives_the_references_answer(impl):
+    argmax, empty = torch.tensor([7]), torch.zeros(0, dtype=torch.long)
+    out, ref = greedy_tree_verify(argmax, empty, empty, impl=impl), greedy_tree_verify_reference(argmax, empty, empty)
+    assert out[0].tolist() == ref[0].tolist() == [] and out[1:] == ref[1:] == (7, False)

@@ -46,7 +46,7 @@ def test_a_verifys_embeddings_are_the_weights_own_and_the_cache_stays_bounded(fa
         ids = torch.tensor(ids)
         got = backend._embedding(ids)
         assert torch.equal(got, weights.embedding(ids))  # bit for bit, repeated tokens included
-        assert got.is_contiguous() and got.data_ptr() != weights.head.q.data_ptr()
+        assert got.is_contiguous()
         got.zero_()  # the kernel writes into what it is given: the kept rows must not change
         assert torch.equal(backend._embedding(ids), weights.embedding(ids))
         assert len(backend._embedded) <= 6  # at most EMBED_CACHE, but one batch's tokens are all kept
