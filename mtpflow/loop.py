@@ -303,14 +303,13 @@ class Sequence:
         draft = draft or Draft.empty()
         if not isinstance(draft, Draft):
             raise TypeError(f"propose returned {type(draft).__name__}, not a Draft")
-        depth = draft.depths() if draft.num_nodes else None
-        if depth is not None and int(depth.max()) > k:  # a proposer may not draft deeper than K
-            draft = draft.subset(depth <= k)
+        if draft.num_nodes and draft.max_depth() > k:  # a proposer may not draft deeper than K
+            draft = draft.subset(draft.depths() <= k)
         num_proposed = draft.num_nodes
         if draft.num_nodes:
-            masks = [m for m in hook.prune(state=state, draft=draft) if m is not None]
+            masks = [m.bool().cpu() for m in hook.prune(state=state, draft=draft) if m is not None]
             if masks:
-                keep = torch.stack([m.bool().cpu() for m in masks]).all(0)  # drafts live on the CPU
+                keep = masks[0] if len(masks) == 1 else torch.stack(masks).all(0)  # drafts live on the CPU
                 keep = _close_under_ancestors(keep, draft.parents)
                 if not bool(keep.all()):
                     draft = draft.subset(keep)
@@ -387,7 +386,7 @@ class Sequence:
 
         n_emit = len(emitted)
         if draft.num_nodes:
-            self.acceptance.update(len(path_tokens), int(draft.depths().max()))
+            self.acceptance.update(len(path_tokens), draft.max_depth())
         stats.steps += 1
         stats.new_tokens += n_emit
         stats.draft_tokens += draft.num_nodes

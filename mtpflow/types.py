@@ -111,12 +111,20 @@ class Draft:
         return torch.tensor(self.depth_list(), dtype=torch.long)
 
     def depth_list(self) -> list[int]:
-        """``depths`` as Python ints (for callers that build their own lists)."""
-        parents = self.parents.tolist()
-        depth = [0] * len(parents)
-        for i, p in enumerate(parents):
-            depth[i] = 1 if p < 0 else depth[p] + 1
+        """``depths`` as Python ints (for callers that build their own lists). Computed once per draft: the loop, the
+        backend and several stages read it each step. Callers must not modify it."""
+        depth = self.__dict__.get("_depths")
+        if depth is None:
+            parents = self.parents.tolist()
+            depth = [0] * len(parents)
+            for i, p in enumerate(parents):
+                depth[i] = 1 if p < 0 else depth[p] + 1
+            object.__setattr__(self, "_depths", depth)  # a cache, not a field: the draft stays frozen
         return depth
+
+    def max_depth(self) -> int:
+        """The deepest node's depth (0 for an empty draft)."""
+        return max(self.depth_list(), default=0)
 
     def subset(self, keep: torch.Tensor) -> Draft:
         """The draft restricted to ``keep`` ([num_nodes] bool, closed under ancestors), parents reindexed."""

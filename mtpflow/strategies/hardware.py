@@ -124,5 +124,5 @@ class HardwareAwareK:
         self.probes.observe(record.draft.num_nodes, record.decision.num_accepted)
         if record.draft.num_nodes == 0:
             return
-        deepest = int(record.draft.depths().max())
+        deepest = record.draft.max_depth()
         self._acceptance.update(record.decision.num_accepted, deepest)

@@ -342,7 +342,7 @@ def default_attention_heads(hidden: int) -> int:
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
     """Shannon entropy (nats) over the last dimension."""
-    return -(probs * probs.clamp(min=1e-20).log()).sum(-1)
+    return torch.special.entr(probs).sum(-1)  # -p log p, 0 where p = 0
 
 
 def normalized_entropy(probs: torch.Tensor) -> torch.Tensor:

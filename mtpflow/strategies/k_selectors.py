@@ -39,7 +39,7 @@ class AdaptiveK:
     def on_step_end(self, record: StepRecord) -> None:
         if record.draft.num_nodes == 0:
             return
-        deepest = int(record.draft.depths().max())
+        deepest = record.draft.max_depth()
         if record.decision.num_accepted >= deepest:
             self.k = min(self.k + self.increase, self.k_max)
         else:

@@ -230,7 +230,7 @@ class MTPHeadsProposer:
         return facts
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        return (logits / self.temperature).softmax(-1)
+        return (logits if self.temperature == 1.0 else logits / self.temperature).softmax(-1)
 
     @hookimpl
     @torch.inference_mode()
@@ -276,11 +276,11 @@ class MTPHeadsProposer:
             self.suffix.learn(record)
         draft = record.draft
         if self.adaptive_depth and record.num_proposed:
-            heads = draft.scores.get("grafted")
-            depths = draft.depths()
-            if heads is not None and draft.num_nodes:
-                depths = depths[heads < 0.5]
-            self.depth_limit = 1 + (int(depths.max()) if depths.numel() else 0)
+            grafted = draft.scores.get("grafted")
+            depths = draft.depth_list()
+            if grafted is not None and depths:
+                depths = [d for d, g in zip(depths, grafted.tolist()) if g < 0.5]
+            self.depth_limit = 1 + max(depths, default=0)
         if self._lookup_n is None:
             return
         estimate = self.lookup_acceptance[self._lookup_n]

@@ -38,8 +38,9 @@ def root_entropy(draft: Draft) -> float | None:
     ent = draft.scores.get("entropy")
     if ent is None or not draft.num_nodes:
         return None
-    first = (draft.parents < 0).nonzero().flatten()
-    return float(ent[first].mean()) if first.numel() else None
+    # over lists: three torch operations on a few dozen nodes cost more than the mean itself
+    first = [e for e, p in zip(ent.tolist(), draft.parents.tolist()) if p < 0]
+    return sum(first) / len(first) if first else None
 
 
 class PFSPruner:

@@ -150,14 +150,15 @@ class SuffixDrafter:
             return
         draft = record.draft
         marks = draft.scores.get(MARK)
-        drafted = 0 if marks is None or not draft.num_nodes else int((marks > 0.5).sum())
+        marked = [] if marks is None or not draft.num_nodes else [m > 0.5 for m in marks.tolist()]
+        drafted = sum(marked)
         if drafted == 0:  # pruned away: rejections fade, so this match length is tried again
             self.acceptance.skipped(length)
             return
-        depth = int(draft.depths()[marks > 0.5].max())
+        depth = max(d for d, m in zip(draft.depth_list(), marked) if m)
         accepted = 0
         for node in record.decision.accepted.tolist():
-            if marks[node] < 0.5:
+            if not marked[node]:
                 break
             accepted += 1
         self.acceptance.update(length, accepted, depth)

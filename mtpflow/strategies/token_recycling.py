@@ -18,6 +18,7 @@ import sys
 import threading
 from typing import Any
 
+import numpy as np
 import torch
 
 from mtpflow.errors import ConfigError, check_int, check_k, check_range
@@ -97,6 +98,13 @@ class AdjacencyTable:
             w = self.prior_weight
             return (self.accepted + w * self.prior) / (self.reached + w)
 
+    def acceptance_of(self, nodes: list[int]) -> list[float]:
+        """``acceptance()`` of template nodes ``nodes``, as floats (a drafting step reads a few of them)."""
+        w = self.prior_weight
+        with self.lock:  # through numpy views of the same memory: a few reads, where torch ops cost more
+            accepted, reached, prior = self.accepted.numpy(), self.reached.numpy(), self.prior.numpy()
+            return [float((accepted[j] + w * prior[j]) / (reached[j] + w)) for j in nodes]
+
     def expand(self, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
         """Breadth-first expansion of the template from ``root`` down to ``depth``: (tokens, parents, template
         node) of every node whose token is known; a node without one is dropped with its subtree."""
@@ -127,18 +135,24 @@ class AdjacencyTable:
                     nodes.append(j)
         return tokens, parents, nodes
 
-    def update(self, tokens: list[int], candidates: torch.Tensor) -> None:
-        """Row i of ``candidates`` [n, top_k] becomes the successors of ``tokens[i]``; a token listed twice
-        keeps its last row (callers put the most relevant context last)."""
+    def update(self, tokens: list[int], candidates: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Row ``rows[i]`` (default i) of ``candidates`` [n, top_k] becomes the successors of ``tokens[i]``; a token
+        listed twice keeps its last row (callers put the most relevant context last)."""
         last: dict[int, int] = {}
         for i, t in enumerate(tokens):
             if 0 <= t < self.vocab_size:
-                last[t] = i
+                last[t] = i if rows is None else rows[i]
         if not last:
             return
-        rows = torch.tensor(list(last.values()), device=candidates.device)
-        successors = candidates[rows].to(self.table.device, torch.int32)  # the table stays on the CPU
-        with self.lock:
+        rows = list(last.values())
+        if candidates.device.type == "cpu":  # numpy views: two fancy indexings, where torch's cost several times more
+            successors = candidates.numpy()[rows].astype(np.int32)
+            with self.lock:
+                self.table.numpy()[list(last.keys())] = successors
+                self.updates += 1
+            return
+        successors = candidates[torch.tensor(rows, device=candidates.device)].to(self.table.device, torch.int32)
+        with self.lock:  # the table stays on the CPU
             self.table[torch.tensor(list(last.keys()))] = successors
             self.updates += 1
 
@@ -161,10 +175,12 @@ class AdjacencyTable:
         """Template nodes drafted in one step: whether their parent was accepted, whether they were."""
         if not nodes:
             return
-        with self.lock:
-            idx = torch.tensor(nodes)
-            self.accepted.mul_(memory).index_add_(0, idx, torch.tensor(accepted, dtype=torch.float64))
-            self.reached.mul_(memory).index_add_(0, idx, torch.tensor(reached, dtype=torch.float64))
+        with self.lock:  # numpy views of the counts: a few dozen floats, where torch ops cost more than the sums
+            counts, seen = self.accepted.numpy(), self.reached.numpy()
+            counts *= memory
+            seen *= memory
+            np.add.at(counts, nodes, np.asarray(accepted, dtype=np.float64))
+            np.add.at(seen, nodes, np.asarray(reached, dtype=np.float64))
 
 
 class TokenRecyclingProposer:
@@ -224,7 +240,7 @@ class TokenRecyclingProposer:
         tokens, parents, nodes = self.table.expand(state.root_token, min(k, self.max_depth))
         if not tokens:
             return [], [], [], [], []
-        p = self.table.acceptance()[nodes].tolist()
+        p = self.table.acceptance_of(nodes)
         pfs: list[float] = []
         for i, parent in enumerate(parents):
             pfs.append(p[i] * (1.0 if parent < 0 else pfs[parent]))
@@ -255,10 +271,9 @@ class TokenRecyclingProposer:
             # the top-k on the logits' device (a native verify has them already), then one copy of [rows, k] ids to
             # the table's (CPU) side
             top = verification.top_ids(k)
-            candidates = top[torch.tensor(rows, device=top.device)].cpu()
             if k < self.top_k:
-                candidates = torch.cat([candidates, candidates.new_full((len(rows), self.top_k - k), -1)], 1)
-            self.table.update([inputs[r] for r in rows], candidates)
+                top = torch.cat([top, top.new_full((top.shape[0], self.top_k - k), -1)], 1)
+            self.table.update([inputs[r] for r in rows], top, rows)
         marks = draft.scores.get(MARK)
         if marks is None or not draft.num_nodes:
             return
