@@ -119,13 +119,12 @@ def test_probe_schedule_backs_off_while_probes_are_rejected():
 def test_draft_model_and_auto_k_share_the_probe_back_off():
     from types import SimpleNamespace
 
-    import torch
-
     from mtpflow.strategies.draft_model import DraftModelProposer
     from mtpflow.strategies.hardware import CostCurve, HardwareAwareK
+    from mtpflow.types import Draft
 
     def record(n, accepted):  # a chain of n drafted nodes
-        draft = SimpleNamespace(num_nodes=n, depths=lambda: torch.arange(1, n + 1))
+        draft = Draft.chain(list(range(n)))
         return SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=accepted))
 
     prop = DraftModelProposer(layers=1, probe_every=2, acceptance_prior=0.01)

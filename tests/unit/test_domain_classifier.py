@@ -10,6 +10,7 @@ import torch
 
 from mtpflow.tools.domain_prompts import DOMAINS, load_prompts
 from mtpflow.errors import ConfigError
+from mtpflow.types import Draft
 from mtpflow.strategies.domain import (CHARS_PER_TOKEN_BOUND, DEFAULT_K_MAP, DomainAwareK, load_classifier,
                                       request_text)
 from helpers import hf_greedy, make_pipeline
@@ -98,11 +99,11 @@ def test_adaptive_starts_at_the_domain_k_and_moves():
     sel = DomainAwareK(adaptive=True, k_max=10)
     sel.on_run_start(context(CODE_PROMPT))
     assert sel.select_k(state=None) == 6
-    full = SimpleNamespace(draft=SimpleNamespace(num_nodes=6, depths=lambda: torch.arange(1, 7)),
+    full = SimpleNamespace(draft=Draft.chain(list(range(6))),
                            decision=SimpleNamespace(num_accepted=6))
     sel.on_step_end(full)
     assert sel.select_k(state=None) == 8
-    missed = SimpleNamespace(draft=SimpleNamespace(num_nodes=8, depths=lambda: torch.arange(1, 9)),
+    missed = SimpleNamespace(draft=Draft.chain(list(range(8))),
                              decision=SimpleNamespace(num_accepted=1))
     sel.on_step_end(missed)
     assert sel.select_k(state=None) == 7

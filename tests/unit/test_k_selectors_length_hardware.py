@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mtpflow.errors import ConfigError
+from mtpflow.types import Draft
 from mtpflow import cost_model
 from mtpflow.strategies import hardware
 from mtpflow.strategies.hardware import HardwareAwareK, best_k, expected_tokens
@@ -25,7 +26,7 @@ def fake_context(device="cpu", prompt="hello", model=None, tokenizer=None, promp
 
 
 def fake_record(drafted: int, accepted: int):
-    draft = SimpleNamespace(num_nodes=drafted, depths=lambda: torch.arange(1, drafted + 1))
+    draft = Draft.chain(list(range(drafted)))
     return SimpleNamespace(draft=draft, decision=SimpleNamespace(num_accepted=accepted))
 
 
