@@ -230,7 +230,7 @@ class MTPHeadsProposer:
         return facts
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
-        return (logits if self.temperature == 1.0 else logits / self.temperature).softmax(-1)
+        return (logits / self.temperature).softmax(-1)
 
     @hookimpl
     @torch.inference_mode()

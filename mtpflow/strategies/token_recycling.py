@@ -92,18 +92,21 @@ class AdjacencyTable:
         tensors = (self.table, self.prior, self.accepted, self.reached)
         return sum(t.numel() * t.element_size() + sys.getsizeof(t) for t in tensors)
 
+    def _estimates(self) -> np.ndarray:
+        """[template nodes] (accepted + w * prior) / (reached + w), over numpy views of the counts (a few dozen
+        floats, where torch ops cost more than the arithmetic); the caller holds the lock."""
+        w = self.prior_weight
+        return (self.accepted.numpy() + w * self.prior.numpy()) / (self.reached.numpy() + w)
+
     def acceptance(self) -> torch.Tensor:
         """[template nodes] estimated acceptance of each node given its parent was accepted."""
         with self.lock:
-            w = self.prior_weight
-            return (self.accepted + w * self.prior) / (self.reached + w)
+            return torch.from_numpy(self._estimates())
 
     def acceptance_of(self, nodes: list[int]) -> list[float]:
         """``acceptance()`` of template nodes ``nodes``, as floats (a drafting step reads a few of them)."""
-        w = self.prior_weight
-        with self.lock:  # through numpy views of the same memory: a few reads, where torch ops cost more
-            accepted, reached, prior = self.accepted.numpy(), self.reached.numpy(), self.prior.numpy()
-            return [float((accepted[j] + w * prior[j]) / (reached[j] + w)) for j in nodes]
+        with self.lock:
+            return self._estimates()[nodes].tolist()
 
     def expand(self, root: int, depth: int) -> tuple[list[int], list[int], list[int]]:
         """Breadth-first expansion of the template from ``root`` down to ``depth``: (tokens, parents, template
@@ -144,16 +147,11 @@ class AdjacencyTable:
                 last[t] = i if rows is None else rows[i]
         if not last:
             return
-        rows = list(last.values())
-        if candidates.device.type == "cpu":  # numpy views: two fancy indexings, where torch's cost several times more
-            successors = candidates.numpy()[rows].astype(np.int32)
-            with self.lock:
-                self.table.numpy()[list(last.keys())] = successors
-                self.updates += 1
-            return
-        successors = candidates[torch.tensor(rows, device=candidates.device)].to(self.table.device, torch.int32)
-        with self.lock:  # the table stays on the CPU
-            self.table[torch.tensor(list(last.keys()))] = successors
+        # one copy of the candidates to the table's side (the table stays on the CPU; a no-op for CPU ids), then two
+        # numpy fancy indexings, where torch's cost several times more
+        successors = candidates.cpu().numpy()[list(last.values())].astype(np.int32)
+        with self.lock:
+            self.table.numpy()[list(last.keys())] = successors
             self.updates += 1
 
     def seed(self, tokens: list[int]) -> None:
@@ -268,8 +266,8 @@ class TokenRecyclingProposer:
             rows = [r + 1 for r in order] + [0] + [a + 1 for a in accepted]  # the accepted path last
             inputs = [record.state.root_token] + draft.tokens.tolist()
             k = min(self.top_k, logits.shape[-1])
-            # the top-k on the logits' device (a native verify has them already), then one copy of [rows, k] ids to
-            # the table's (CPU) side
+            # the top-k on the logits' device (a native verify has them already); update copies them to the table's
+            # (CPU) side once
             top = verification.top_ids(k)
             if k < self.top_k:
                 top = torch.cat([top, top.new_full((top.shape[0], self.top_k - k), -1)], 1)
