@@ -6,6 +6,7 @@ of the distribution it came from, for the PFS pruner.
 from __future__ import annotations
 
 import heapq
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -105,6 +106,44 @@ def best_first_tree(probs: list[torch.Tensor], ids: list[torch.Tensor], max_node
     return tokens, parents, node_p, path_p, depths
 
 
+class GraftLedger:
+    """Whether a grafted drafter (token recycling, the suffix cache) pays for its own work on this host and model.
+
+    Each step it was consulted, a graft costs its Python time (its tree, its merge, its learning) and gains the tokens
+    accepted on nodes it added to the heads' tree (shared with another graft: both are credited, so a doubt keeps a
+    graft on). A token is worth the step's seconds per emitted token. After ``warmup`` steps of evidence, while the
+    decayed gain (tokens x seconds per token) is below the decayed cost, the graft sits out ``pause`` steps, then is
+    tried again. The verify cost of its nodes is the PFS pruner's to weigh: this rule prices only the work the
+    pruner never sees. Lossless either way: which nodes are drafted never changes what the target accepts. One
+    ledger per graft and request: a request that repeats an earlier one gains from the suffix graft from its first
+    steps, which a verdict learned on other requests (and a pause they started) would hide."""
+
+    def __init__(self, warmup: int = 16, pause: int = 32, memory: float = 0.95):
+        self.warmup, self.pause, self.memory = warmup, pause, memory
+        self.seconds = self.gain = 0.0  # decayed sums per step: own seconds; tokens x seconds per token
+        self.evidence = 0  # steps observed since the graft was last switched on
+        self.resting = 0  # steps left out
+        self.rests = 0  # times it was left out (run_stats)
+
+    def active(self) -> bool:
+        """Whether the graft drafts this step (one step of a rest is spent when not)."""
+        if self.resting > 0:
+            self.resting -= 1
+            if self.resting == 0:
+                self.evidence = 0
+            return False
+        return True
+
+    def observe(self, seconds: float, tokens: int, seconds_per_token: float) -> None:
+        """One step's cost (``seconds`` of the graft's own work) and gain (``tokens`` accepted on its nodes)."""
+        m = self.memory
+        self.seconds = m * self.seconds + seconds
+        self.gain = m * self.gain + tokens * seconds_per_token
+        self.evidence += 1
+        if self.evidence >= self.warmup and self.gain < self.seconds:
+            self.resting, self.rests = self.pause, self.rests + 1
+
+
 def _graft_options(name: str, options) -> dict:
     if not hasattr(options, "items"):
         raise ConfigError(f"strategy.propose.{name} must be null or a mapping, got {options!r}")
@@ -139,7 +178,8 @@ class MTPHeadsProposer:
 
     def __init__(self, kind: str = "medusa", heads: str | None = None, top_k: int = 4, max_nodes: int = 16,
                  branch: int = 4, temperature: float = 1.0, lookup=None, adaptive_depth: bool = True,
-                 recycling=None, suffix=None, precision: str = "auto", vocab_size: int | None = None):
+                 recycling=None, suffix=None, precision: str = "auto", vocab_size: int | None = None,
+                 graft_costs: bool = True):
         if kind not in KINDS:
             raise ConfigError(f"strategy.propose.kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if precision not in PRECISIONS:
@@ -186,6 +226,12 @@ class MTPHeadsProposer:
             from mtpflow.strategies.suffix import SuffixDrafter
 
             self.suffix = SuffixDrafter(where="strategy.propose.suffix", **_graft_options("suffix", suffix))
+        if not isinstance(graft_costs, bool):
+            raise ConfigError(f"strategy.propose.graft_costs must be true or false, got {graft_costs!r}")
+        self.graft_costs = graft_costs
+        self.ledgers: dict[str, GraftLedger] = {}  # per graft (on_run_start), when graft_costs
+        self._graft_seconds: dict[str, float] = {}  # this step's own seconds of each graft consulted
+        self.rested: dict[str, int] = {}  # steps of this request each graft sat out
         # the grafted token recycling learns from each verify row's top ids (loop.reads_top_ids)
         self.reads_top_ids = 0 if self.recycling is None else self.recycling.reads_top_ids
 
@@ -227,6 +273,9 @@ class MTPHeadsProposer:
             facts.update(self.recycling.on_run_start(context) or {})
         if self.suffix is not None:
             facts.update(self.suffix.start(context))
+        if self.graft_costs:  # this request's own: a repeated request's suffix graft proves itself from its start
+            self.ledgers = {name: GraftLedger() for name, graft in (("recycling", self.recycling), ("suffix", self.suffix))
+                            if graft is not None}
         return facts
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
@@ -255,25 +304,61 @@ class MTPHeadsProposer:
             if n is not None:
                 self._lookup_n = n
                 merged.add_chain(follow.tolist(), min(self.lookup_acceptance[n].value, 0.99), "lookup")
-        if self.recycling is not None:
+        self._graft_seconds.clear()
+        if self._grafting("recycling"):
             from mtpflow.strategies.token_recycling import MARK as RECYCLED
 
+            t = time.perf_counter()
             tokens, parents, _, pfs, nodes = self.recycling.tree(state, k)
             merged.add(tokens, parents, pfs, "recycled", extra={RECYCLED: [j + 1.0 for j in nodes]})
-        if self.suffix is not None:
+            self._graft_seconds["recycling"] = time.perf_counter() - t
+        if self._grafting("suffix"):
             from mtpflow.strategies.suffix import MARK as SUFFIX
 
+            t = time.perf_counter()
             tokens, parents, _, pfs, _ = self.suffix.tree(state, k)
             merged.add(tokens, parents, pfs, SUFFIX)
+            self._graft_seconds["suffix"] = time.perf_counter() - t
         return merged.draft()
+
+    def _grafting(self, name: str) -> bool:
+        """Whether graft ``name`` drafts this step: configured, and not resting (``GraftLedger``)."""
+        if (self.recycling if name == "recycling" else self.suffix) is None:
+            return False
+        ledger = self.ledgers.get(name)
+        if ledger is None or ledger.active():
+            return True
+        self.rested[name] = self.rested.get(name, 0) + 1
+        return False
+
+    def _learn_grafts(self, record: StepRecord) -> None:
+        """Each graft learns from the step (a step without drafting too: recycling reads the root row's top ids),
+        unless it is resting; the ledger of each one consulted this step takes its seconds and accepted tokens."""
+        consulted, self._graft_seconds = self._graft_seconds, {}
+        draft = record.draft
+        added = []  # accepted nodes a graft added to the heads' tree
+        if consulted and draft.num_nodes:
+            grafted = draft.scores.get("grafted")
+            if grafted is not None:
+                flags = grafted.tolist()
+                added = [i for i in record.decision.accepted.tolist() if flags[i] >= 0.5]
+        per_token = record.step_seconds / max(1, len(record.emitted))
+        for name, graft, mark in (("recycling", self.recycling, "recycled"), ("suffix", self.suffix, "suffix")):
+            ledger = self.ledgers.get(name)
+            if graft is None or (ledger is not None and ledger.resting and name not in consulted):
+                continue
+            t = time.perf_counter()
+            graft.learn(record)
+            if ledger is not None and name in consulted:
+                marks = draft.scores.get(mark)
+                flags = marks.tolist() if marks is not None and added else []
+                tokens = sum(1 for i in added if flags and flags[i] >= 0.5)
+                ledger.observe(consulted[name] + time.perf_counter() - t, tokens, per_token)
 
     @hookimpl
     def on_step_end(self, record: StepRecord) -> None:
         """Set the next step's depth limit; learn how often grafted lookup tokens are accepted."""
-        if self.recycling is not None:
-            self.recycling.learn(record)
-        if self.suffix is not None:
-            self.suffix.learn(record)
+        self._learn_grafts(record)
         draft = record.draft
         if self.adaptive_depth and record.num_proposed:
             grafted = draft.scores.get("grafted")
@@ -308,6 +393,8 @@ class MTPHeadsProposer:
             stats.update(self.recycling.run_stats())
         if self.suffix is not None:
             stats.update(self.suffix.counts)
+        if self.ledgers:  # steps each graft sat out because its work cost more than its accepted tokens were worth
+            stats.update({f"{name}_rested_steps": self.rested.get(name, 0) for name in self.ledgers})
         return stats or None
 
     @hookimpl
