@@ -1,6 +1,7 @@
 """The grafts' ledger in ``mtp_heads`` (mtpflow/strategies/mtp_heads.py ``GraftLedger``): a graft whose own work costs
 more than its accepted tokens are worth sits out a pause and is tried again; one that pays stays on; resting or not,
-the heads' tree stays lossless, and the run's stats say how many steps each graft sat out."""
+the heads' tree stays lossless, and the run's stats say how many steps each graft sat out. A repeated request keeps
+its suffix graft: test_training_free_drafters_default.py."""
 from __future__ import annotations
 
 import pytest
@@ -58,14 +59,3 @@ def test_mtp_heads_stays_lossless_with_its_grafts_resting(tiny, tmp_path, monkey
         assert drafted > 0
 
 
-
-def test_a_repeated_request_keeps_its_suffix_graft(default_loaded):
-    # the ledger is the request's own: a repeat proves the suffix graft's worth in its first steps, whatever the
-    # earlier request concluded (tests/fixtures/profile.json sizes the trees, as in the suffix-cache test)
-    pipe = make_pipeline(default_loaded, "mtp_heads", "max_new_tokens=80", "trace=off")
-    prompt = "Explain in a short paragraph how a hash table works."
-    first = pipe(prompt)
-    again = pipe(prompt)
-    assert again.token_ids == first.token_ids == hf_greedy(default_loaded.model, pipe.encode(prompt).tolist(), 80)
-    assert again.stats["suffix_rested_steps"] == 0, again.stats
-    assert again.stats["mal"] >= 4, (first.stats["mal"], again.stats["mal"])
