@@ -1,9 +1,9 @@
 """Strategies compared question by question over the int8 model: every variant decodes each question in turn (the
 order rotating), so the host's drift between minutes falls on all of them alike. Spec-Bench questions under 1500
-characters (first turn), 128 new tokens, greedy, after one warm-up request each; prints tokens/s, MAL and the ratio
+characters (first turn), 128 new tokens, greedy (FLOAT32=1: the float32 model), after one warm-up request each; prints tokens/s, MAL and the ratio
 to the first variant. Strategy arguments take ``|``-separated overrides.
 
-    [SKIP=30] python docs/bench/step_dec07f/paired.py PATH/question.jsonl N baseline mtp_heads "mtp_heads|strategy.propose.graft_costs=false"
+    [SKIP=30] [FLOAT32=1] python docs/bench/step_dec07f/paired.py PATH/question.jsonl N baseline mtp_heads "mtp_heads|strategy.propose.graft_costs=false"
 """
 import json
 import os
@@ -18,7 +18,8 @@ prompts = [q for q in (json.loads(line)["turns"][0] for line in open(path)) if l
 pipes = []
 for variant in variants:
     name, *overrides = variant.split("|")
-    pipes.append(pipeline(name, ["model.quantize=int8", "trace=off", "max_new_tokens=128"] + overrides))
+    target = [] if os.environ.get("FLOAT32") == "1" else ["model.quantize=int8"]
+    pipes.append(pipeline(name, target + ["trace=off", "max_new_tokens=128"] + overrides))
     pipes[-1](prompts[0])
 seconds, tokens, steps = [0.0] * len(pipes), [0] * len(pipes), [0] * len(pipes)
 outputs = {}
