@@ -122,13 +122,15 @@ class GraftLedger:
         self.warmup, self.pause, self.memory = warmup, pause, memory
         self.seconds = self.gain = 0.0  # decayed sums per step: own seconds; tokens x seconds per token
         self.evidence = 0  # steps observed since the graft was last switched on
-        self.resting = 0  # steps left out
-        self.rests = 0  # times it was left out (run_stats)
+        self.resting = 0  # steps left of the current pause
+        self.rests = 0  # pauses begun
+        self.rested_steps = 0  # steps sat out (the request's run_stats)
 
     def active(self) -> bool:
         """Whether the graft drafts this step (one step of a rest is spent when not)."""
         if self.resting > 0:
             self.resting -= 1
+            self.rested_steps += 1
             if self.resting == 0:
                 self.evidence = 0
             return False
@@ -231,7 +233,6 @@ class MTPHeadsProposer:
         self.graft_costs = graft_costs
         self.ledgers: dict[str, GraftLedger] = {}  # per graft (on_run_start), when graft_costs
         self._graft_seconds: dict[str, float] = {}  # this step's own seconds of each graft consulted
-        self.rested: dict[str, int] = {}  # steps of this request each graft sat out
         # the grafted token recycling learns from each verify row's top ids (loop.reads_top_ids)
         self.reads_top_ids = 0 if self.recycling is None else self.recycling.reads_top_ids
 
@@ -326,10 +327,7 @@ class MTPHeadsProposer:
         if (self.recycling if name == "recycling" else self.suffix) is None:
             return False
         ledger = self.ledgers.get(name)
-        if ledger is None or ledger.active():
-            return True
-        self.rested[name] = self.rested.get(name, 0) + 1
-        return False
+        return ledger is None or ledger.active()
 
     def _learn_grafts(self, record: StepRecord) -> None:
         """Each graft learns from the step (a step without drafting too: recycling reads the root row's top ids),
@@ -394,7 +392,7 @@ class MTPHeadsProposer:
         if self.suffix is not None:
             stats.update(self.suffix.counts)
         if self.ledgers:  # steps each graft sat out because its work cost more than its accepted tokens were worth
-            stats.update({f"{name}_rested_steps": self.rested.get(name, 0) for name in self.ledgers})
+            stats.update({f"{name}_rested_steps": ledger.rested_steps for name, ledger in self.ledgers.items()})
         return stats or None
 
     @hookimpl

@@ -22,6 +22,7 @@ def test_a_graft_that_costs_more_than_it_gains_rests_then_is_tried_again():
     ledger.observe(seconds=1e-3, tokens=0, seconds_per_token=5e-3)
     assert ledger.rests == 1
     assert [ledger.active() for _ in range(4)] == [False, False, False, True]  # a pause, then on again
+    assert ledger.rested_steps == 3
     assert ledger.evidence == 0  # a fresh warm-up before the next verdict
     for _ in range(3):
         ledger.observe(seconds=1e-3, tokens=1, seconds_per_token=5e-3)  # now its tokens pay: 5 ms against 1 ms
