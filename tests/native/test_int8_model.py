@@ -65,7 +65,7 @@ def test_the_reference_linear_is_exact_integer_arithmetic():
 
 
 @needs_native
-@pytest.mark.parametrize("rows", (1, 2, 5, 6, 7, 12, 13, 25))
+@pytest.mark.parametrize("rows", (1, 2, 3, 5, 6, 7, 12, 13, 17, 25, 33))
 @pytest.mark.parametrize("n,k", ((1, 1), (5, 7), (48, 64), (64, 576), (130, 100), (201, 1536)))
 def test_the_kernel_product_is_the_reference_bit_for_bit(rows, n, k):
     torch.manual_seed(rows * 1000 + n)

@@ -342,6 +342,38 @@ static inline __attribute__((always_inline)) void weigh_span(const int16_t *cons
         }
 }
 
+#elif defined(__AVX2__)
+/* on AVX2, 16 columns [c, c + 16) a call, each pair of tokens read and widened once for the g queries (vpmaddwd: a
+ * lane's two weights times its two values, added); the g x 2 sums in registers. The loop one query at a time
+ * (weigh_columns) widened every value to 32 bits and multiplied in 32 bits for each query: a verify's rows and the
+ * query heads that share a key / value head read each value once here. */
+static inline __attribute__((always_inline)) void weigh_span(const int16_t *const *wq, const signed char *values, int t0,
+                                                             int t1, int n, int d, int c, const int g, double *sums) {
+    __m256i acc[WEIGH][2];
+    for (int j = 0; j < g; j++) acc[j][0] = acc[j][1] = _mm256_setzero_si256();
+    for (int t = t0; t < t1; t += 2) {
+        const signed char *va = values + (size_t)t * ENTRY_BYTES(d) + c;
+        const signed char *vb = t + 1 < n ? va + ENTRY_BYTES(d) : va;  /* past an odd n: its weight is 0 */
+        const __m128i a = _mm_loadu_si128((const __m128i *)va), b = _mm_loadu_si128((const __m128i *)vb);
+        const __m256i lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));  /* columns c .. c + 7: (a, b) pairs */
+        const __m256i hi = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));  /* columns c + 8 .. c + 15 */
+        for (int j = 0; j < g; j++) {
+            int32_t both;
+            __builtin_memcpy(&both, wq[j] + t, sizeof both);
+            const __m256i w = _mm256_set1_epi32(both);
+            acc[j][0] = _mm256_add_epi32(acc[j][0], _mm256_madd_epi16(w, lo));
+            acc[j][1] = _mm256_add_epi32(acc[j][1], _mm256_madd_epi16(w, hi));
+        }
+    }
+    for (int j = 0; j < g; j++)
+        for (int i = 0; i < 2; i++) {
+            double *out = sums + (size_t)j * d + c + 8 * i;
+            _mm256_storeu_pd(out, _mm256_add_pd(_mm256_loadu_pd(out),
+                                                _mm256_cvtepi32_pd(_mm256_castsi256_si128(acc[j][i]))));
+            _mm256_storeu_pd(out + 4, _mm256_add_pd(_mm256_loadu_pd(out + 4),
+                                                    _mm256_cvtepi32_pd(_mm256_extracti128_si256(acc[j][i], 1))));
+        }
+}
 #endif
 
 /* weigh's sums for the columns [c0, d), one query at a time, 64 columns at a time: the compiler's vectors */
@@ -370,6 +402,12 @@ static void weigh(const int16_t *const *wq, const signed char *values, int n, in
         int c = 0;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
         for (; c + 64 <= d; c += 64) {
+#define WEIGH_G(G) case G: weigh_span(wq, values, t0, t1, n, d, c, G, sums); break;
+            switch (g) { WEIGH_G(1) WEIGH_G(2) WEIGH_G(3) WEIGH_G(4) WEIGH_G(5) WEIGH_G(6) }
+#undef WEIGH_G
+        }
+#elif defined(__AVX2__)
+        for (; c + 16 <= d; c += 16) {
 #define WEIGH_G(G) case G: weigh_span(wq, values, t0, t1, n, d, c, G, sums); break;
             switch (g) { WEIGH_G(1) WEIGH_G(2) WEIGH_G(3) WEIGH_G(4) WEIGH_G(5) WEIGH_G(6) }
 #undef WEIGH_G

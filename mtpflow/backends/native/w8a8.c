@@ -171,6 +171,73 @@ static inline __attribute__((always_inline)) void q8_tile(const unsigned char *x
         for (int v = 0; v < 2 * nu; v++) _mm256_storeu_si256((__m256i *)&out[j][8 * v], acc[j][v]);
     q8_store(out, mb, n < Q8_UNIT * nu ? n : Q8_UNIT * nu, sx, wsum, scale, y, ldy);
 }
+
+/* More rows than a tile holds (Q8_MB = 2 here): the rows go through a panel together, Q8_CHUNK steps at a time,
+ * each pair of rows' sums kept in memory between chunks. A chunk (4 KB of a whole panel) stays in L1 while every
+ * pair reads it, so the weights stream from memory once, at an even pace, while the pairs compute: a pass per pair
+ * over the whole panel left memory idle in every pass but the first, so a third row cost far more than a second
+ * (measured: docs/bench/verify_avx2_dec07.md). The first pair prefetches Q8_PREFETCH bytes ahead into L2. The sums are
+ * exact integers: the results do not change. */
+#define Q8_CHUNK 64  /* steps per chunk: 64 x 128 bytes */
+#define Q8_GROUP 32  /* rows whose sums a pass keeps; more rows take another pass over the panel */
+
+static inline __attribute__((always_inline)) void q8_chunk(const unsigned char *xq, int kp, const signed char *w,
+                                                           int s0, int s1, const int nu, const int mb,
+                                                           __m256i sums[][2 * Q8_TILE], int prefetch) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i acc[Q8_MB][2 * Q8_TILE];
+    for (int j = 0; j < mb; j++)
+        for (int v = 0; v < 2 * nu; v++) acc[j][v] = sums[j][v];
+    for (int s = s0; s < s1; s++) {
+        const signed char *ws = w + (size_t)s * Q8_STEP_BYTES;
+        __m256i wv[2 * Q8_TILE];
+        if (prefetch)
+            for (int v = 0; v < nu; v++) __builtin_prefetch(ws + Q8_PREFETCH + Q8_UNIT * 4 * v, 0, Q8_PF_LOC);
+        for (int v = 0; v < 2 * nu; v++) wv[v] = _mm256_loadu_si256((const __m256i *)(ws + 32 * v));
+        for (int j = 0; j < mb; j++) {
+            const __m256i xb = _mm256_set1_epi32(load4(xq + (size_t)j * kp + 4 * s));
+            const __m256i ax = _mm256_sign_epi8(xb, xb);
+            for (int v = 0; v < 2 * nu; v++) {
+                const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[v], xb));
+                acc[j][v] = _mm256_add_epi32(acc[j][v], _mm256_madd_epi16(pairs, ones));
+            }
+        }
+    }
+    for (int j = 0; j < mb; j++)
+        for (int v = 0; v < 2 * nu; v++) sums[j][v] = acc[j][v];
+}
+
+/* nu units of a panel from w times M > Q8_MB rows of xq, scaled into y (row stride ldy; the first n features of the
+ * panel's units exist) */
+static void q8_rows(const unsigned char *xq, int kp, const signed char *w, int nu, int M, int n, const float *sx,
+                    const int32_t *wsum, const float *scale, float *y, int ldy) {
+    const int steps = kp / 4;
+    for (int g0 = 0; g0 < M; g0 += Q8_GROUP) {
+        const int gm = M - g0 < Q8_GROUP ? M - g0 : Q8_GROUP;
+        const unsigned char *xg = xq + (size_t)g0 * kp;
+        __m256i sums[Q8_GROUP][2 * Q8_TILE];
+        for (int j = 0; j < gm; j++)
+            for (int v = 0; v < 2 * Q8_TILE; v++) sums[j][v] = _mm256_setzero_si256();
+        for (int s0 = 0; s0 < steps; s0 += Q8_CHUNK) {
+            const int s1 = steps - s0 < Q8_CHUNK ? steps : s0 + Q8_CHUNK;
+            for (int m0 = 0; m0 < gm; m0 += Q8_MB) {
+                const unsigned char *xr = xg + (size_t)m0 * kp;
+                const int pair = gm - m0 >= 2, first = m0 == 0;
+                if (nu == 2) {
+                    if (pair) q8_chunk(xr, kp, w, s0, s1, 2, 2, sums + m0, first);
+                    else q8_chunk(xr, kp, w, s0, s1, 2, 1, sums + m0, first);
+                } else {
+                    if (pair) q8_chunk(xr, kp, w, s0, s1, 1, 2, sums + m0, first);
+                    else q8_chunk(xr, kp, w, s0, s1, 1, 1, sums + m0, first);
+                }
+            }
+        }
+        int32_t out[Q8_GROUP][Q8_PANEL];
+        for (int j = 0; j < gm; j++)
+            for (int v = 0; v < 2 * nu; v++) _mm256_storeu_si256((__m256i *)&out[j][8 * v], sums[j][v]);
+        q8_store(out, gm, n < Q8_UNIT * nu ? n : Q8_UNIT * nu, sx + g0, wsum, scale, y + (size_t)g0 * ldy, ldy);
+    }
+}
 #else
 static inline void q8_tile(const unsigned char *xq, int kp, const signed char *w, const int nu, const int mb, int n,
                            const float *sx, const int32_t *wsum, const float *scale, float *y, int ldy) {
@@ -363,6 +430,13 @@ void mtpflow_q8_part(int t, int nt, const unsigned char *xq, const float *sx, in
         const int nu = room < u1 - u ? room : u1 - u;
         const signed char *w = q + (size_t)p * kp * Q8_PANEL + (size_t)o * Q8_UNIT * 4;
         const int n0 = u * Q8_UNIT;
+#if defined(Q8_AVX2)
+        if (M > Q8_MB) {
+            q8_rows(xq, kp, w, nu, M, N - n0, sx, wsum + n0, scale + n0, y + n0, N);
+            u += nu;
+            continue;
+        }
+#endif
         for (int m0 = 0; m0 < M; m0 += Q8_MB) {
             const int mb = M - m0 < Q8_MB ? M - m0 : Q8_MB;
             const unsigned char *xr = xq + (size_t)m0 * kp;
