@@ -145,42 +145,11 @@ static inline __attribute__((always_inline)) void q8_tile(const unsigned char *x
     }
 }
 #elif defined(Q8_AVX2)
-static inline __attribute__((always_inline)) void q8_tile(const unsigned char *xq, int kp, const signed char *w,
-                                                          const int nu, const int mb, int n, const float *sx,
-                                                          const int32_t *wsum, const float *scale, float *y, int ldy) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    __m256i acc[Q8_MB][2 * Q8_TILE];  /* two 8-lane vectors per unit */
-    for (int j = 0; j < mb; j++)
-        for (int v = 0; v < 2 * nu; v++) acc[j][v] = _mm256_setzero_si256();
-    const int steps = kp / 4;
-    for (int s = 0; s < steps; s++) {
-        const signed char *ws = w + (size_t)s * Q8_STEP_BYTES;
-        __m256i wv[2 * Q8_TILE];
-        for (int v = 0; v < 2 * nu; v++) wv[v] = _mm256_loadu_si256((const __m256i *)(ws + 32 * v));
-        for (int j = 0; j < mb; j++) {
-            const __m256i xb = _mm256_set1_epi32(load4(xq + (size_t)j * kp + 4 * s));
-            const __m256i ax = _mm256_sign_epi8(xb, xb);
-            for (int v = 0; v < 2 * nu; v++) {
-                const __m256i pairs = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[v], xb));
-                acc[j][v] = _mm256_add_epi32(acc[j][v], _mm256_madd_epi16(pairs, ones));
-            }
-        }
-    }
-    int32_t out[Q8_MB][Q8_PANEL];
-    for (int j = 0; j < mb; j++)
-        for (int v = 0; v < 2 * nu; v++) _mm256_storeu_si256((__m256i *)&out[j][8 * v], acc[j][v]);
-    q8_store(out, mb, n < Q8_UNIT * nu ? n : Q8_UNIT * nu, sx, wsum, scale, y, ldy);
-}
+#define Q8_CHUNK 64  /* steps per chunk of q8_rows: 64 x 128 bytes of a whole panel */
+#define Q8_GROUP 32  /* rows whose sums a pass of q8_rows keeps; more rows take another pass over the panel */
 
-/* More rows than a tile holds (Q8_MB = 2 here): the rows go through a panel together, Q8_CHUNK steps at a time,
- * each pair of rows' sums kept in memory between chunks. A chunk (4 KB of a whole panel) stays in L1 while every
- * pair reads it, so the weights stream from memory once, at an even pace, while the pairs compute: a pass per pair
- * over the whole panel left memory idle in every pass but the first, so a third row cost far more than a second
- * (measured: docs/bench/verify_avx2_dec07.md). The first pair prefetches Q8_PREFETCH bytes ahead into L2. The sums are
- * exact integers: the results do not change. */
-#define Q8_CHUNK 64  /* steps per chunk: 64 x 128 bytes */
-#define Q8_GROUP 32  /* rows whose sums a pass keeps; more rows take another pass over the panel */
-
+/* mb <= Q8_MB rows times nu units over the steps [s0, s1) of a panel from w (its first unit's bytes of step 0), added
+ * into sums[mb][2 nu] (two 8-lane vectors per unit); prefetch: also prefetch the weights Q8_PREFETCH bytes ahead */
 static inline __attribute__((always_inline)) void q8_chunk(const unsigned char *xq, int kp, const signed char *w,
                                                            int s0, int s1, const int nu, const int mb,
                                                            __m256i sums[][2 * Q8_TILE], int prefetch) {
@@ -207,8 +176,32 @@ static inline __attribute__((always_inline)) void q8_chunk(const unsigned char *
         for (int v = 0; v < 2 * nu; v++) sums[j][v] = acc[j][v];
 }
 
+/* the scales of mb rows' sums (sums[mb][2 nu]) into y (row stride ldy; the first n features of the units exist) */
+static inline void q8_finish(__m256i sums[][2 * Q8_TILE], int nu, int mb, int n, const float *sx, const int32_t *wsum,
+                             const float *scale, float *y, int ldy) {
+    int32_t out[Q8_GROUP][Q8_PANEL];
+    for (int j = 0; j < mb; j++)
+        for (int v = 0; v < 2 * nu; v++) _mm256_storeu_si256((__m256i *)&out[j][8 * v], sums[j][v]);
+    q8_store(out, mb, n < Q8_UNIT * nu ? n : Q8_UNIT * nu, sx, wsum, scale, y, ldy);
+}
+
+static inline __attribute__((always_inline)) void q8_tile(const unsigned char *xq, int kp, const signed char *w,
+                                                          const int nu, const int mb, int n, const float *sx,
+                                                          const int32_t *wsum, const float *scale, float *y, int ldy) {
+    __m256i sums[Q8_MB][2 * Q8_TILE];
+    for (int j = 0; j < mb; j++)
+        for (int v = 0; v < 2 * nu; v++) sums[j][v] = _mm256_setzero_si256();
+    q8_chunk(xq, kp, w, 0, kp / 4, nu, mb, sums, 0);
+    q8_finish(sums, nu, mb, n, sx, wsum, scale, y, ldy);
+}
+
 /* nu units of a panel from w times M > Q8_MB rows of xq, scaled into y (row stride ldy; the first n features of the
- * panel's units exist) */
+ * panel's units exist). More rows than a tile holds (Q8_MB = 2 here) go through the panel together, Q8_CHUNK steps
+ * at a time, each pair's sums kept in memory between chunks. A chunk (8 KB of a whole panel) stays in L1 while every
+ * pair reads it, so the weights stream from memory once, at an even pace, while the pairs compute: a pass per pair
+ * over the whole panel left memory idle in every pass but the first, so a third row cost far more than a second
+ * (measured: docs/bench/verify_avx2_dec07.md). The first pair prefetches Q8_PREFETCH bytes ahead into L2. The sums are
+ * exact integers: the results do not change. */
 static void q8_rows(const unsigned char *xq, int kp, const signed char *w, int nu, int M, int n, const float *sx,
                     const int32_t *wsum, const float *scale, float *y, int ldy) {
     const int steps = kp / 4;
@@ -232,10 +225,7 @@ static void q8_rows(const unsigned char *xq, int kp, const signed char *w, int n
                 }
             }
         }
-        int32_t out[Q8_GROUP][Q8_PANEL];
-        for (int j = 0; j < gm; j++)
-            for (int v = 0; v < 2 * nu; v++) _mm256_storeu_si256((__m256i *)&out[j][8 * v], sums[j][v]);
-        q8_store(out, gm, n < Q8_UNIT * nu ? n : Q8_UNIT * nu, sx + g0, wsum, scale, y + (size_t)g0 * ldy, ldy);
+        q8_finish(sums, nu, gm, n, sx + g0, wsum, scale, y + (size_t)g0 * ldy, ldy);
     }
 }
 #else
