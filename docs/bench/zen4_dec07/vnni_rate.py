@@ -1,6 +1,9 @@
-"""The int8 products' arithmetic rate on this host, weights in cache: one [N, 576] product over M rows, repeated;
-vpdpbusd count = N * 576 * M / 64, per core (2 threads). And the default model's products at 1 and 9 rows,
-streamed, for the floor a verify of 8 drafts meets here."""
+"""The int8 products' arithmetic rate on this host, weights in cache: one [N, 576] product over M rows, 100 calls a
+round, fastest of 30 rounds; vpdpbusd count = N * 576 * M / 64, per core (2 threads). Each call's OpenMP fork and
+join and its quantized activations are in the time, so the rate is a lower bound on the instruction's own.
+
+    python docs/bench/zen4_dec07/vnni_rate.py
+"""
 import time, torch
 from mtpflow.backends.native import products, kernel
 from mtpflow.backends.native import int8_reference as R
